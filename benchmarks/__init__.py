@@ -1,0 +1,1 @@
+"""Everything that generates or judges load: emulator, load generator, sweep, simulator."""

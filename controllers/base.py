@@ -1,0 +1,167 @@
+"""The controller contract: samples and ticks in, one number (`limit`) out.
+
+A controller never reads a clock, sleeps, or does I/O. Time arrives as data
+(`Sample.admitted_at`, `on_tick(now)`), so the same object runs live in the
+gateway and in virtual time inside `benchmarks.simulate`.
+
+`LimitController` is a template (Netflix's AbstractLimit): subclasses implement
+`_on_sample` / `_on_tick` and call `_set_limit`, which clamps to
+[min_limit, max_limit] and rounds, so every algorithm honours the bounds by
+construction.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "BaseControllerConfig",
+    "Controller",
+    "EngineStats",
+    "LimitController",
+    "Outcome",
+    "Sample",
+]
+
+
+class Outcome(enum.Enum):
+    """How one admitted request ended. Exactly one per admitted request."""
+
+    OK = "ok"
+    UPSTREAM_ERROR = "upstream_error"  # 5xx other than overload, broken connection
+    TIMEOUT = "timeout"  # connect / first-byte / idle timeout
+    CLIENT_CANCELLED = "client_cancelled"  # the caller went away: never a latency sample
+    UPSTREAM_OVERLOADED = "upstream_overloaded"  # engine said 429/503: a drop signal
+
+    @property
+    def is_drop(self) -> bool:
+        """True for outcomes that mean the engine is past what it can take."""
+        return self in (Outcome.TIMEOUT, Outcome.UPSTREAM_OVERLOADED)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One finished request, as the gateway saw it. Times in seconds."""
+
+    admitted_at: float  # when the request was dispatched to the upstream
+    duration: float  # dispatch to last byte (or to the error)
+    ttft: float | None  # dispatch to first token; None when not streamed
+    prompt_tokens: int
+    output_tokens: int
+    inflight_at_admit: int  # in-flight count at this upstream, this request included
+    outcome: Outcome = Outcome.OK
+
+    @property
+    def finished_at(self) -> float:
+        return self.admitted_at + self.duration
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (duration - ttft) / (output_tokens - 1)."""
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return max(0.0, self.duration - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What the engine reports about itself (vLLM's /metrics), scraped at `at`."""
+
+    at: float
+    running: float
+    waiting: float
+    kv_cache_usage: float  # 0..1
+    preemptions_total: float  # monotonic counter
+    generation_tokens_total: float = math.nan  # monotonic counter, NaN when unknown
+
+
+@runtime_checkable
+class Controller(Protocol):
+    """What the gateway and the simulator need from any concurrency limiter."""
+
+    @property
+    def limit(self) -> int: ...
+
+    def on_sample(self, sample: Sample) -> None: ...
+
+    def on_tick(self, now: float, inflight: int) -> None: ...
+
+    def on_engine_stats(self, stats: EngineStats) -> None: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+
+class BaseControllerConfig(BaseModel):
+    """Bounds and objectives every controller shares."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    initial: int = Field(16, ge=1, description="limit before any evidence")
+    min_limit: int = Field(1, ge=1, description="never go below this")
+    max_limit: int = Field(1024, ge=1, description="never go above this")
+    ttft_objective: float = Field(2.0, gt=0, description="TTFT target, seconds")
+    tpot_objective: float = Field(0.1, gt=0, description="time per output token target, seconds")
+
+    @model_validator(mode="after")
+    def _bounds_are_ordered(self) -> BaseControllerConfig:
+        if not self.min_limit <= self.initial <= self.max_limit:
+            raise ValueError(
+                f"need min_limit <= initial <= max_limit, got "
+                f"{self.min_limit} <= {self.initial} <= {self.max_limit}"
+            )
+        return self
+
+
+class LimitController:
+    """Template base: clamping, rounding and the cancelled-is-no-sample rule live here."""
+
+    name = "base"
+
+    def __init__(self, cfg: BaseControllerConfig) -> None:
+        self.cfg = cfg
+        self._limit = float(cfg.initial)
+        self.knee_estimate: float | None = None
+
+    @property
+    def limit(self) -> int:
+        return max(self.cfg.min_limit, min(self.cfg.max_limit, math.floor(self._limit)))
+
+    def _set_limit(self, value: float) -> None:
+        self._limit = max(float(self.cfg.min_limit), min(float(self.cfg.max_limit), value))
+
+    def on_sample(self, sample: Sample) -> None:
+        # A cancellation says nothing about the engine (Netflix's onIgnore).
+        if sample.outcome is Outcome.CLIENT_CANCELLED:
+            return
+        self._on_sample(sample)
+
+    def on_tick(self, now: float, inflight: int) -> None:
+        self._on_tick(now, inflight)
+
+    def on_engine_stats(self, stats: EngineStats) -> None:
+        self._on_engine_stats(stats)
+
+    def state(self) -> dict[str, Any]:
+        return {"name": self.name, "limit": self.limit, "knee_estimate": self.knee_estimate}
+
+    def breaches(self, s: Sample) -> bool:
+        """True when the sample misses the TTFT or TPOT objective."""
+        if s.ttft is not None and s.ttft > self.cfg.ttft_objective:
+            return True
+        tpot = s.tpot
+        return tpot is not None and tpot > self.cfg.tpot_objective
+
+    # Hooks for subclasses; the defaults ignore the signal.
+    def _on_sample(self, sample: Sample) -> None:
+        pass
+
+    def _on_tick(self, now: float, inflight: int) -> None:
+        pass
+
+    def _on_engine_stats(self, stats: EngineStats) -> None:
+        pass

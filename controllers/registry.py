@@ -1,0 +1,26 @@
+"""Build a controller from its name and parameters (what the gateway config names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controllers.base import BaseControllerConfig, LimitController
+from controllers.fixed import Fixed, FixedConfig
+
+__all__ = ["CONTROLLERS", "build_controller"]
+
+# name -> (config model, controller class). Each algorithm module registers itself here.
+CONTROLLERS: dict[str, tuple[type[BaseControllerConfig], type[LimitController]]] = {
+    "fixed": (FixedConfig, Fixed),
+}
+
+
+def build_controller(name: str, params: dict[str, Any] | None = None) -> LimitController:
+    """Validate `params` against the named controller's config and build it."""
+    try:
+        cfg_cls, ctl_cls = CONTROLLERS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown controller {name!r}; choose one of {sorted(CONTROLLERS)}"
+        ) from None
+    return ctl_cls(cfg_cls(**(params or {})))  # type: ignore[call-arg]

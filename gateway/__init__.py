@@ -1,0 +1,1 @@
+"""kneegate's gateway: a streaming reverse proxy with an adaptive admission gate."""

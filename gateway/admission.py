@@ -1,0 +1,279 @@
+"""Admission: admit now, queue, or shed. A pure state machine — no asyncio, no clock.
+
+Time comes in as `now` on every call, so the gateway (real time, through the thin
+async layer in `gateway.gate`) and `benchmarks.simulate` (virtual time) run this
+very code.
+
+    offer(ticket, now)  -> Admitted(upstream) | Queued | Rejected(reason, retry_after)
+    release(up, now)    -> tickets newly dispatched because a slot freed
+    pump(now)           -> tickets dispatched because a limit grew
+    expire(now)         -> tickets whose class wait timeout passed (503 queue_timeout)
+    withdraw(ticket)    -> remove one queued ticket (its waiter timed out first)
+
+Dispatch order: higher `priority` classes first, FIFO within a class. A request
+goes to the usable upstream with the most free room, measured as in-flight / limit.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from controllers.base import Controller
+
+__all__ = [
+    "AdmissionQueue",
+    "Admitted",
+    "ClassPolicy",
+    "Queued",
+    "RejectReason",
+    "Rejected",
+    "Ticket",
+    "UpstreamState",
+]
+
+
+class RejectReason(enum.Enum):
+    QUEUE_FULL = "queue_full"  # 429: capacity exists, but not now
+    QUEUE_TIMEOUT = "queue_timeout"  # 503: waited past the class's timeout
+    NO_UPSTREAM = "no_upstream"  # 503: nothing usable to send to
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPolicy:
+    """One priority class: its rank, how long it may wait, its share of the queue."""
+
+    name: str
+    priority: int = 0  # higher is dispatched first
+    max_wait: float = 30.0  # seconds in the queue before 503
+    queue_share: float = 1.0  # fraction of the queue's capacity this class may fill
+
+
+@dataclass(slots=True)
+class UpstreamState:
+    """One engine as admission sees it: its controller and its live in-flight count."""
+
+    name: str
+    controller: Controller
+    inflight: int = 0
+    usable: bool = True
+
+    @property
+    def fullness(self) -> float:
+        return self.inflight / max(1, self.controller.limit)
+
+    @property
+    def has_room(self) -> bool:
+        return self.usable and self.inflight < self.controller.limit
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request asking for a slot. `payload` belongs to the caller (a future, a sim request)."""
+
+    cls: str
+    arrived_at: float
+    payload: Any = None
+    deadline: float = math.inf
+    upstream: UpstreamState | None = None  # set at dispatch
+    dispatched_at: float | None = None
+    inflight_at_admit: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    upstream: UpstreamState
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    position: int  # tickets ahead of this one that will be dispatched first
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    reason: RejectReason
+    retry_after: int  # whole seconds, for the Retry-After header
+    message: str
+
+
+@dataclass
+class _CompletionRate:
+    """Exponentially weighted completions per second, fed by release()."""
+
+    half_life: float = 10.0
+    rate: float = 0.0
+    last: float | None = None
+
+    def note(self, now: float) -> None:
+        if self.last is None:
+            self.last = now
+            return
+        dt = max(now - self.last, 1e-6)
+        w = 0.5 ** (dt / self.half_life)
+        self.rate = w * self.rate + (1 - w) * (1.0 / dt) if dt > 0 else self.rate
+        self.last = now
+
+
+@dataclass
+class AdmissionQueue:
+    """Bounded priority queue in front of a pool of upstreams."""
+
+    upstreams: list[UpstreamState]
+    classes: dict[str, ClassPolicy]
+    max_queue: int = 256
+    retry_after_min: int = 1
+    retry_after_max: int = 60
+    _queues: dict[str, deque[Ticket]] = field(default_factory=dict, init=False)
+    _order: list[str] = field(default_factory=list, init=False)
+    _completions: _CompletionRate = field(default_factory=_CompletionRate, init=False)
+
+    def __post_init__(self) -> None:
+        self.reconfigure(self.classes, self.max_queue, self.upstreams)
+
+    # --- configuration -------------------------------------------------------------
+
+    def reconfigure(
+        self,
+        classes: dict[str, ClassPolicy],
+        max_queue: int,
+        upstreams: list[UpstreamState],
+    ) -> None:
+        """Swap policy without losing queued tickets (a removed class keeps draining)."""
+        if not classes:
+            raise ValueError("at least one priority class is needed")
+        self.classes = dict(classes)
+        self.max_queue = max_queue
+        self.upstreams = list(upstreams)
+        for name in classes:
+            self._queues.setdefault(name, deque())
+        rank = {n: self.classes[n].priority if n in self.classes else -(10**9) for n in self._queues}
+        self._order = sorted(self._queues, key=lambda n: -rank[n])
+
+    def capacity(self, cls: str) -> int:
+        share = self.classes[cls].queue_share
+        return max(1, min(self.max_queue, math.ceil(share * self.max_queue)))
+
+    # --- observation ---------------------------------------------------------------
+
+    def depth(self, cls: str | None = None) -> int:
+        if cls is not None:
+            return len(self._queues.get(cls, ()))
+        return sum(len(q) for q in self._queues.values())
+
+    @property
+    def completion_rate(self) -> float:
+        return self._completions.rate
+
+    def retry_after(self, ahead: int) -> int:
+        """Seconds until `ahead` queued requests have likely been served, clamped."""
+        rate = self._completions.rate
+        # no completions seen yet: assume one per second rather than the worst case
+        est = (ahead + 1) / rate if rate > 0 else float(ahead + 1)
+        return int(max(self.retry_after_min, min(self.retry_after_max, math.ceil(est))))
+
+    # --- the decisions -------------------------------------------------------------
+
+    def offer(self, ticket: Ticket, now: float) -> Admitted | Queued | Rejected:
+        cls = ticket.cls
+        if cls not in self.classes:
+            raise KeyError(f"unknown priority class {cls!r}")
+        if not any(u.usable for u in self.upstreams):
+            return Rejected(
+                RejectReason.NO_UPSTREAM,
+                self.retry_after_min,
+                "no upstream engine is usable right now; retry shortly",
+            )
+        ahead = self._ahead_of(cls)
+        if ahead == 0:
+            up = self._pick()
+            if up is not None:
+                self._dispatch(ticket, up, now)
+                return Admitted(up)
+        if len(self._queues[cls]) >= self.capacity(cls) or self.depth() >= self.max_queue:
+            ra = self.retry_after(self.depth())
+            return Rejected(
+                RejectReason.QUEUE_FULL,
+                ra,
+                f"admission queue for class '{cls}' is full "
+                f"({len(self._queues[cls])}/{self.capacity(cls)}); retry after {ra}s",
+            )
+        ticket.deadline = now + self.classes[cls].max_wait
+        self._queues[cls].append(ticket)
+        return Queued(ahead)
+
+    def release(self, upstream: UpstreamState, now: float) -> list[Ticket]:
+        """A request on `upstream` ended: free its slot and dispatch what now fits."""
+        upstream.inflight -= 1
+        assert upstream.inflight >= 0, "released more slots than were taken"
+        self._completions.note(now)
+        return self.pump(now)
+
+    def pump(self, now: float) -> list[Ticket]:
+        """Dispatch queued tickets while some upstream has room."""
+        out: list[Ticket] = []
+        for name in self._order:
+            q = self._queues[name]
+            while q:
+                up = self._pick()
+                if up is None:
+                    return out
+                t = q.popleft()
+                self._dispatch(t, up, now)
+                out.append(t)
+        return out
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Remove and return tickets whose wait deadline has passed."""
+        out: list[Ticket] = []
+        for q in self._queues.values():
+            while q and q[0].deadline <= now:
+                out.append(q.popleft())
+        return out
+
+    def withdraw(self, ticket: Ticket) -> bool:
+        """Remove a queued ticket; False when it was already dispatched or expired."""
+        q = self._queues.get(ticket.cls)
+        if q is None or ticket.dispatched_at is not None:
+            return False
+        try:
+            q.remove(ticket)
+        except ValueError:
+            return False
+        return True
+
+    def timeout_rejection(self, ticket: Ticket) -> Rejected:
+        policy = self.classes.get(ticket.cls)
+        wait = policy.max_wait if policy else 0.0
+        ra = self.retry_after(self.depth())
+        return Rejected(
+            RejectReason.QUEUE_TIMEOUT,
+            ra,
+            f"queue wait exceeded {wait:g}s for class '{ticket.cls}'; retry after {ra}s",
+        )
+
+    # --- internals -----------------------------------------------------------------
+
+    def _ahead_of(self, cls: str) -> int:
+        rank = self.classes[cls].priority
+        return sum(
+            len(q)
+            for name, q in self._queues.items()
+            if self.classes.get(name, ClassPolicy(name, -(10**9))).priority >= rank
+        )
+
+    def _pick(self) -> UpstreamState | None:
+        best: UpstreamState | None = None
+        for u in self.upstreams:
+            if u.has_room and (best is None or u.fullness < best.fullness):
+                best = u
+        return best
+
+    def _dispatch(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
+        up.inflight += 1
+        ticket.upstream = up
+        ticket.dispatched_at = now
+        ticket.inflight_at_admit = up.inflight
