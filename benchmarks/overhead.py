@@ -1,0 +1,267 @@
+"""The gateway's own cost: the same load direct, through kneegate, and through nginx, in one run.
+
+The upstream (`benchmarks.rawhttp` SSE server) and the closed-loop client are lean raw-asyncio
+programs pinned to one core; the proxy under test is pinned to the other (`taskset`), so the
+figure is the proxy's. Each cell runs every target back to back and reports ratios to direct;
+with `--repeat N` the medians of N rounds.
+
+    python -m benchmarks.overhead                      # the full matrix (~5 minutes)
+    python -m benchmarks.overhead --quick              # 256 realistic only
+
+Load shapes: `short` = 16 events, no delay; `realistic` = 64 events at 20 ms. The fixed limit is
+set far above the offered concurrency, so admission never queues: this measures the relay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["main"]
+
+SHAPES = {"short": (16, 0.0), "realistic": (64, 0.02)}
+CLIENT_CORE, PROXY_CORES = "0", "1"
+
+
+@dataclass
+class Cell:
+    target: str
+    shape: str
+    concurrency: int
+    rps: float
+    eps: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    proxy_cpu: float  # fraction of one core, nan for direct
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pin(cores: str) -> list[str]:
+    ncpu = os.cpu_count() or 1
+    return ["taskset", "-c", cores] if shutil.which("taskset") and ncpu > 1 else []
+
+
+def _wait_http(url: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {seconds}s")
+
+
+def _wait_port(port: int, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"port {port} did not open within {seconds}s")
+
+
+@contextlib.contextmanager
+def _process(cmd: list[str], ready: str | int) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        if isinstance(ready, int):
+            _wait_port(ready)
+        else:
+            _wait_http(ready)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User+system CPU of `pid` and its children (uvicorn workers), from /proc."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    for p in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+@contextlib.contextmanager
+def _upstream(shape: str) -> Iterator[int]:
+    events, interval = SHAPES[shape]
+    port = _free_port()
+    cmd = [*_pin(CLIENT_CORE), sys.executable, "-m", "benchmarks.rawhttp", "serve",
+           "--port", str(port), "--events", str(events), "--interval", str(interval)]
+    with _process(cmd, port):
+        yield port
+
+
+@contextlib.contextmanager
+def _gateway(up_port: int, workers: int) -> Iterator[tuple[int, int]]:
+    port = _free_port()
+    cores = PROXY_CORES if workers == 1 else f"0-{(os.cpu_count() or 1) - 1}"
+    cmd = [*_pin(cores), sys.executable, "-m", "gateway", "serve",
+           "--upstream", f"http://127.0.0.1:{up_port}", "--port", str(port),
+           "--controller", "fixed", "--limit", "100000", "--workers", str(workers)]
+    with _process(cmd, f"http://127.0.0.1:{port}/health") as proc:
+        yield port, proc.pid
+
+
+_NGINX_CONF = """
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body;
+  proxy_temp_path {tmp}/proxy;
+  upstream up {{ server 127.0.0.1:{up}; keepalive 2048; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://up;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+@contextlib.contextmanager
+def _nginx(up_port: int) -> Iterator[tuple[int, int]]:
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = Path(tmp) / "nginx.conf"
+        conf.write_text(_NGINX_CONF.format(tmp=tmp, up=up_port, port=port))
+        cmd = [*_pin(PROXY_CORES), "nginx", "-c", str(conf), "-p", tmp]
+        with _process(cmd, port) as proc:
+            yield port, proc.pid
+
+
+def _cell(target: str, shape: str, conc: int, port: int, seconds: float,
+          pid: int | None) -> Cell:
+    """One closed-loop run in its own pinned client process; CPU of `pid` meanwhile."""
+    cmd = [*_pin(CLIENT_CORE), sys.executable, "-m", "benchmarks.rawhttp", "load",
+           "--url", f"http://127.0.0.1:{port}/v1/completions",
+           "--concurrency", str(conc), "--seconds", str(seconds), "--warmup", "1"]
+    cpu0, t0 = (_cpu_seconds(pid), time.monotonic()) if pid else (0.0, 0.0)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True)
+    cpu = (_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0) if pid else float("nan")
+    d = json.loads(out.stdout)
+    return Cell(target, shape, conc, d["rps"], d["eps"], d["ttft_p50"] * 1000,
+                d["ttft_p99"] * 1000, cpu)
+
+
+def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
+               workers_at: int | None) -> list[Cell]:
+    cells: list[Cell] = []
+    have_nginx = shutil.which("nginx") is not None
+    for shape in shapes:
+        for conc in concs:
+            for _ in range(repeat):
+                with _upstream(shape) as up:
+                    cells.append(_cell("direct", shape, conc, up, seconds, None))
+                    with _gateway(up, 1) as (gp, pid):
+                        cells.append(_cell("kneegate", shape, conc, gp, seconds, pid))
+                    if workers_at == conc and shape == "realistic":
+                        with _gateway(up, 2) as (gp, pid):
+                            cells.append(_cell("kneegate-2w", shape, conc, gp, seconds, pid))
+                    if have_nginx:
+                        with _nginx(up) as (np_, pid):
+                            cells.append(_cell("nginx", shape, conc, np_, seconds, pid))
+                _report_progress(cells[-1])
+    return cells
+
+
+def _report_progress(c: Cell) -> None:
+    if sys.stderr.isatty():
+        print(f"  .. {c.shape} x{c.concurrency} done", file=sys.stderr)
+
+
+def _median(cells: list[Cell], attr: str) -> float:
+    vals = [getattr(c, attr) for c in cells]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def print_table(cells: list[Cell]) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    keys = sorted({(c.shape, c.concurrency) for c in cells}, key=lambda k: (k[0], k[1]))
+    hdr = (f"{'shape':<10}{'conc':>6} {'target':<12}{'req/s':>9}{'events/s':>10}"
+           f"{'ttft p50':>10}{'ttft p99':>10}{'+p50 ms':>9}{'+p99 ms':>9}{'cpu':>6}"
+           f"{'x direct':>9}{'x nginx':>9}")
+    print(hdr)
+    for shape, conc in keys:
+        group = [c for c in cells if (c.shape, c.concurrency) == (shape, conc)]
+        targets = dict.fromkeys(c.target for c in group)
+        by = {t: [c for c in group if c.target == t] for t in targets}
+        d_rps, d50, d99 = (_median(by["direct"], a) for a in ("rps", "ttft_p50_ms", "ttft_p99_ms"))
+        n_rps = _median(by.get("nginx", []), "rps")
+        for target, cs in by.items():
+            row: dict[str, object] = {}
+            nums = {k: _median(cs, k)
+                    for k in ("rps", "eps", "ttft_p50_ms", "ttft_p99_ms", "proxy_cpu")}
+            nums.update(ratio_direct=nums["rps"] / d_rps, ratio_nginx=nums["rps"] / n_rps,
+                        added_p50_ms=nums["ttft_p50_ms"] - d50,
+                        added_p99_ms=nums["ttft_p99_ms"] - d99)
+            row.update(nums, shape=shape, concurrency=conc, target=target, runs=len(cs))
+            rows.append(row)
+            print(f"{shape:<10}{conc:>6} {target:<12}{nums['rps']:>9.1f}{nums['eps']:>10.0f}"
+                  f"{nums['ttft_p50_ms']:>10.1f}{nums['ttft_p99_ms']:>10.1f}"
+                  f"{nums['added_p50_ms']:>9.1f}{nums['added_p99_ms']:>9.1f}"
+                  f"{nums['proxy_cpu']:>6.2f}{nums['ratio_direct']:>9.2f}"
+                  f"{nums['ratio_nginx']:>9.2f}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="short,realistic")
+    p.add_argument("--concurrency", default="16,256,1024")
+    p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per cell")
+    p.add_argument("--repeat", type=int, default=1, help="rounds; the table shows medians")
+    p.add_argument("--workers-at", type=int, default=1024,
+                   help="also run 2 gateway workers at this realistic concurrency (0: never)")
+    p.add_argument("--quick", action="store_true", help="realistic x256 only")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    args = p.parse_args(argv)
+    shapes = ["realistic"] if args.quick else args.shapes.split(",")
+    concs = [256] if args.quick else [int(c) for c in args.concurrency.split(",")]
+    print(f"cpus={os.cpu_count()} client+upstream on core {CLIENT_CORE}, proxy on core "
+          f"{PROXY_CORES}; {args.seconds:g}s per cell, {args.repeat} round(s), medians")
+    cells = run_matrix(shapes, concs, args.seconds, args.repeat, args.workers_at or None)
+    rows = print_table(cells)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
