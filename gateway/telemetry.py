@@ -1,0 +1,96 @@
+"""Engine telemetry: read an engine's Prometheus /metrics into `EngineStats`, and judge progress.
+
+vLLM names (current first, older fallbacks after), each summed over the `engine` label and
+any other labels (one vLLM process may serve several engine cores):
+
+    running       vllm:num_requests_running
+    waiting       vllm:num_requests_waiting
+    kv usage      vllm:kv_cache_usage_perc      <- vllm:gpu_cache_usage_perc (before V1)
+    preemptions   vllm:num_preemptions_total    <- vllm:num_preemptions
+    generated     vllm:generation_tokens_total
+
+Scraped figures lag by a scrape interval or more: controllers combine them with the gateway's
+own in-flight count (instant) and never rely on them alone. `Progress` turns successive
+scrapes into a health verdict: an engine with running requests whose generation counter does
+not advance for `stall_after` seconds is stuck, whatever its /health says.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from controllers.base import EngineStats
+
+__all__ = ["Progress", "parse_engine_metrics"]
+
+_NAMES: dict[str, tuple[str, ...]] = {
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "preemptions_total": ("vllm:num_preemptions", "vllm:num_preemptions_total"),
+    "generation_tokens_total": ("vllm:generation_tokens",),
+}
+# prometheus_client's parser strips `_total` from counter family names, so the counters above
+# are listed by their family name; samples keep the suffix and are matched by family.
+
+
+def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
+    """EngineStats from an exposition text; None when the text has no vLLM scheduler gauges."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for field_name, names in _NAMES.items():
+            if family.name in names and field_name not in sums:
+                values = _values(family.samples, family.name)
+                # a fraction does not add up across engine cores: take the fullest
+                sums[field_name] = max(values) if field_name == "kv_cache_usage" else sum(values)
+    if "running" not in sums or "waiting" not in sums:
+        return None
+    return EngineStats(
+        at=at,
+        running=sums["running"],
+        waiting=sums["waiting"],
+        kv_cache_usage=sums.get("kv_cache_usage", math.nan),
+        preemptions_total=sums.get("preemptions_total", math.nan),
+        generation_tokens_total=sums.get("generation_tokens_total", math.nan),
+    )
+
+
+def _values(samples: list[Sample], family: str) -> list[float]:
+    # counters expose `<family>_total` (and `_created`); gauges expose the family name itself
+    wanted = (family, family + "_total")
+    return [float(s.value) for s in samples if s.name in wanted] or [0.0]
+
+
+@dataclass
+class Progress:
+    """Is the engine making progress? Fed one EngineStats per scrape."""
+
+    stall_after: float = 10.0  # seconds with running > 0 and no new tokens before "stuck"
+    stale_after: float = 5.0  # a scrape older than this is not evidence of anything
+    _last_tokens: float = math.nan
+    _advanced_at: float | None = None
+    _last: EngineStats | None = None
+
+    def note(self, stats: EngineStats) -> None:
+        tokens = stats.generation_tokens_total
+        # NaN never equals itself: an engine without the counter always counts as advancing
+        if self._advanced_at is None or stats.running == 0 or tokens != self._last_tokens:
+            self._advanced_at = stats.at  # idle engines and advancing counters both count
+        self._last_tokens = tokens
+        self._last = stats
+
+    def stuck(self, now: float) -> bool:
+        """True when the engine had running requests and produced nothing for stall_after."""
+        if self._advanced_at is None or self._last is None:
+            return False
+        return self._last.running > 0 and now - self._advanced_at >= self.stall_after
+
+    def fresh(self, now: float) -> EngineStats | None:
+        """The last scrape, or None when there is none or it is stale."""
+        if self._last is None or now - self._last.at > self.stale_after:
+            return None
+        return self._last
