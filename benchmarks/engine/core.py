@@ -1,0 +1,254 @@
+"""A clock-free continuous-batching engine core, modelled on vLLM V1's scheduler.
+
+Each `step()` schedules one batch and returns how long it takes (engine-seconds) and what
+every request emitted. No clock, no sleep, no asyncio: the real-time server sleeps
+`duration / speed` between steps, the simulator just adds `duration` to its virtual clock.
+
+Scheduling (vllm/v1/core/sched/scheduler.py, `schedule()`):
+1. Running requests first, in order, each taking min(tokens not yet computed, budget) from
+   the per-step budget `max_num_batched_tokens` (a decode needs 1; a long prompt is chunked).
+   A request that needs a KV block when none is free preempts the *newest* running request:
+   its blocks are freed, its computed tokens reset to 0, and it goes back to the head of the
+   waiting queue (recompute). If the victim is the request itself, scheduling stops.
+2. Then, only if nothing was preempted this step, waiting requests in FCFS order while the
+   running set is below `max_num_seqs`, budget remains and the KV cache has blocks for the
+   chunk being scheduled.
+A request whose computed tokens catch up with its tokens samples one output token in that
+step (a partial prefill chunk emits nothing). Blocks are 16 tokens; the last token sampled
+never needs KV, so a request of P prompt and N output tokens peaks at ceil((P+N-1)/16) blocks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from benchmarks.engine.cost import StepCost
+from benchmarks.engine.profiles import Profile
+
+__all__ = ["CoreStats", "EngineCore", "EngineRequest", "StepResult", "TokenEvent"]
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int  # output tokens to generate
+    ignore_eos: bool = False  # True: exactly max_tokens even if the profile has an EOS model
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    request_id: str
+    new_tokens: int  # output tokens emitted by this step for this request
+    first: bool  # this step emitted the request's first output token
+    finished: str | None  # None | "length" | "stop" | "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    duration: float  # engine-seconds, already multiplied by slowdown
+    events: list[TokenEvent]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    started: list[str] = field(default_factory=list)  # scheduled for the first time this step
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStats:
+    running: int
+    waiting: int
+    kv_cache_usage: float  # 0..1
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class _Req:
+    __slots__ = ("blocks", "computed", "id", "max_tokens", "output", "prompt", "started", "target")
+
+    def __init__(self, req: EngineRequest, target: int) -> None:
+        self.id = req.request_id
+        self.prompt = req.prompt_tokens
+        self.max_tokens = req.max_tokens
+        self.target = target  # output tokens it will produce (< max_tokens: an EOS stop)
+        self.output = 0
+        self.computed = 0  # tokens whose KV is in the cache
+        self.blocks = 0
+        self.started = False
+
+
+class EngineCore:
+    """The engine: add requests, call `step()` while `has_unfinished()`."""
+
+    def __init__(self, profile: Profile, *, seed: int = 0) -> None:
+        self.profile = profile
+        self.slowdown = 1.0  # capacity knob: step durations are multiplied by it
+        self._cost = StepCost.from_profile(profile)
+        self._rng = random.Random(seed)
+        self._block = profile.engine.block_size
+        self._max_seqs = profile.engine.max_num_seqs
+        self._budget = profile.engine.max_num_batched_tokens
+        self._total_blocks = profile.num_blocks
+        self._free = self._total_blocks
+        self._running: list[_Req] = []
+        self._waiting: deque[_Req] = deque()
+        self._by_id: dict[str, _Req] = {}
+        self._preemptions = 0
+        self._prompt_total = 0
+        self._gen_total = 0
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue `req`. Raises ValueError if it could never fit the KV cache or is a duplicate."""
+        if req.prompt_tokens < 1 or req.max_tokens < 1:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt_tokens and max_tokens must be >= 1"
+            )
+        if req.request_id in self._by_id:
+            raise ValueError(f"request {req.request_id!r} is already in the engine")
+        if self._blocks_for(req.prompt_tokens + req.max_tokens - 1) > self._total_blocks:
+            raise ValueError(
+                f"request {req.request_id!r} needs {req.prompt_tokens + req.max_tokens} tokens of "
+                f"KV cache; the cache holds {self._total_blocks * self._block}"
+            )
+        r = _Req(req, self._target(req))
+        self._by_id[r.id] = r
+        self._waiting.append(r)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Remove a request now and free its blocks. False if it is unknown or finished."""
+        r = self._by_id.pop(request_id, None)
+        if r is None:
+            return False
+        if r in self._waiting:
+            self._waiting.remove(r)
+        else:
+            self._running.remove(r)
+        self._free += r.blocks
+        r.blocks = 0
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._by_id)
+
+    def stats(self) -> CoreStats:
+        return CoreStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_cache_usage=1.0 - self._free / self._total_blocks,
+            num_preemptions_total=self._preemptions,
+            prompt_tokens_total=self._prompt_total,
+            generation_tokens_total=self._gen_total,
+        )
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """Schedule one batch, advance every scheduled request, price the step."""
+        scheduled, preempted = self._schedule_running()
+        if not preempted:
+            self._schedule_waiting(scheduled)
+        if not scheduled:
+            return StepResult(0.0, [], 0, 0, preempted)
+        return self._execute(scheduled, preempted)
+
+    def _schedule_running(self) -> tuple[list[tuple[_Req, int]], int]:
+        scheduled: list[tuple[_Req, int]] = []
+        budget, preempted, i = self._budget, 0, 0
+        running = self._running
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n = min(r.prompt + r.output - r.computed, budget)
+            need = self._blocks_for(r.computed + n) - r.blocks
+            while need > self._free:
+                victim = running.pop()
+                self._preempt(victim)
+                preempted += 1
+                if victim is r:
+                    return scheduled, preempted
+            self._free -= need
+            r.blocks += need
+            scheduled.append((r, n))
+            budget -= n
+            i += 1
+        return scheduled, preempted
+
+    def _schedule_waiting(self, scheduled: list[tuple[_Req, int]]) -> None:
+        budget = self._budget - sum(n for _, n in scheduled)
+        waiting, running = self._waiting, self._running
+        while waiting and budget > 0 and len(running) < self._max_seqs:
+            r = waiting[0]
+            n = min(r.prompt + r.output - r.computed, budget)
+            need = self._blocks_for(r.computed + n) - r.blocks
+            if need > self._free:
+                break
+            waiting.popleft()
+            running.append(r)
+            self._free -= need
+            r.blocks += need
+            scheduled.append((r, n))
+            budget -= n
+
+    def _execute(self, scheduled: list[tuple[_Req, int]], preempted: int) -> StepResult:
+        events: list[TokenEvent] = []
+        started: list[str] = []
+        prefill = decode = sampled = context = 0
+        attn = 0.0
+        for r, n in scheduled:
+            if not r.started:
+                r.started = True
+                started.append(r.id)
+            is_decode = n == 1 and r.computed > 0
+            if is_decode:
+                decode += 1
+            else:
+                prefill += n
+            attn += n * (r.computed + n / 2)
+            r.computed += n
+            context += r.computed
+            if r.computed == r.prompt + r.output:
+                sampled += 1
+                events.append(self._emit(r))
+        if any(e.finished for e in events):
+            self._running = [r for r in self._running if self._by_id.get(r.id) is r]
+        seconds = self._cost.seconds(len(scheduled), prefill + decode, sampled, attn, context)
+        return StepResult(seconds * self.slowdown, events, prefill, decode, preempted, started)
+
+    def _emit(self, r: _Req) -> TokenEvent:
+        first = r.output == 0
+        if first:
+            self._prompt_total += r.prompt
+        r.output += 1
+        self._gen_total += 1
+        finished: str | None = None
+        if r.output >= r.target:
+            finished = "length" if r.output >= r.max_tokens else "stop"
+            self._finish(r)
+        return TokenEvent(r.id, 1, first, finished)
+
+    def _finish(self, r: _Req) -> None:
+        del self._by_id[r.id]  # _execute drops it from the running list after the batch
+        self._free += r.blocks
+        r.blocks = 0
+
+    def _preempt(self, r: _Req) -> None:
+        self._free += r.blocks
+        r.blocks = 0
+        r.computed = 0
+        self._waiting.appendleft(r)
+        self._preemptions += 1
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self._block)
+
+    def _target(self, req: EngineRequest) -> int:
+        mean = self.profile.cost.eos_mean_tokens
+        if req.ignore_eos or mean is None:
+            return req.max_tokens
+        # geometric stop length with the profile's mean: one EOS chance per token
+        drawn = 1 + int(self._rng.expovariate(1.0 / max(mean - 1.0, 1e-9)))
+        return min(req.max_tokens, drawn)

@@ -1,0 +1,71 @@
+"""Step time from a roofline.
+
+    step = overhead + seqs x seq_overhead + tp_sync + max(compute, memory)
+
+    compute = FLOPs / (tp x peak x mfu)
+      FLOPs = 2 (params - lm_head) per token processed      # every layer's matmuls
+            + 2 lm_head per sequence sampled this step        # logits only for the last token
+            + 4 layers hidden x new tokens x mean context     # QK^T and AV
+    memory  = (weight bytes + KV bytes read) / (tp x bandwidth x efficiency)
+      KV bytes read = sum over scheduled sequences of context x KV bytes per token
+
+Decode is memory bound at small batches (the weights are read once per step whatever the
+batch), so throughput first grows almost linearly with the batch; once the FLOPs of the batch
+outweigh the weight read, compute bounds the step and throughput flattens: the plateau.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.engine.profiles import Profile
+
+__all__ = ["StepCost"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Precomputed rates of one profile; `seconds(...)` prices one scheduled batch."""
+
+    fixed_s: float  # per step: host overhead + tensor-parallel sync
+    seq_s: float  # per scheduled sequence
+    flop_s: float  # seconds per FLOP
+    byte_s: float  # seconds per byte of HBM traffic
+    token_flops: float  # FLOPs per processed token (without lm_head)
+    sample_flops: float  # FLOPs per sampled token (lm_head)
+    attn_flops: float  # FLOPs per (new token x context token)
+    weight_bytes: float
+    kv_bytes: float  # per token of context
+
+    @classmethod
+    def from_profile(cls, p: Profile) -> StepCost:
+        m, c = p.model, p.cost
+        sync = c.tp_sync_s_per_layer * m.layers if p.tp > 1 else 0.0
+        return cls(
+            fixed_s=c.step_overhead_s + sync,
+            seq_s=c.seq_overhead_s,
+            flop_s=1.0 / (p.tp * p.gpu.bf16_tflops * 1e12 * c.mfu),
+            byte_s=1.0 / (p.tp * p.gpu.bandwidth_gbs * 1e9 * c.bandwidth_efficiency),
+            token_flops=2.0 * (m.params - m.lm_head_params),
+            sample_flops=2.0 * m.lm_head_params,
+            attn_flops=4.0 * m.layers * m.hidden,
+            weight_bytes=m.weight_bytes,
+            kv_bytes=float(m.kv_bytes_per_token),
+        )
+
+    def seconds(
+        self, seqs: int, tokens: int, sampled: int, attn_pairs: float, context: int
+    ) -> float:
+        """Time of one step.
+
+        seqs: sequences scheduled; tokens: tokens processed; sampled: sequences producing a
+        token; attn_pairs: sum of new tokens x their mean context; context: KV tokens read.
+        """
+        if seqs == 0:
+            return 0.0
+        flops = (
+            tokens * self.token_flops + sampled * self.sample_flops + attn_pairs * self.attn_flops
+        )
+        compute = flops * self.flop_s
+        memory = (self.weight_bytes + context * self.kv_bytes) * self.byte_s
+        return self.fixed_s + seqs * self.seq_s + max(compute, memory)
