@@ -26,6 +26,7 @@ __all__ = [
     "LimitController",
     "Outcome",
     "Sample",
+    "is_distress",
 ]
 
 
@@ -78,6 +79,17 @@ class EngineStats:
     kv_cache_usage: float  # 0..1
     preemptions_total: float  # monotonic counter
     generation_tokens_total: float = math.nan  # monotonic counter, NaN when unknown
+
+
+def is_distress(prev: EngineStats | None, cur: EngineStats) -> bool:
+    """Engine distress between two scrapes: preemptions rose, or requests wait in the
+    engine's own queue and that queue is not draining (waiting > 0 now and before, and
+    not fewer than before). One scrape with a few waiting is admission jitter, not load."""
+    if prev is None:
+        return False
+    if cur.preemptions_total > prev.preemptions_total:
+        return True
+    return cur.waiting > 0 and prev.waiting > 0 and cur.waiting >= prev.waiting
 
 
 @runtime_checkable

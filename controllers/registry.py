@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from controllers.aimd import Aimd, AimdConfig
 from controllers.base import BaseControllerConfig, LimitController
 from controllers.fixed import Fixed, FixedConfig
+from controllers.gradient import Gradient, GradientConfig
+from controllers.knee import Knee, KneeConfig
 
 __all__ = ["CONTROLLERS", "build_controller"]
 
 # name -> (config model, controller class). Each algorithm module registers itself here.
 CONTROLLERS: dict[str, tuple[type[BaseControllerConfig], type[LimitController]]] = {
+    "aimd": (AimdConfig, Aimd),
     "fixed": (FixedConfig, Fixed),
+    "gradient": (GradientConfig, Gradient),
+    "knee": (KneeConfig, Knee),
 }
 
 
@@ -23,4 +29,4 @@ def build_controller(name: str, params: dict[str, Any] | None = None) -> LimitCo
         raise ValueError(
             f"unknown controller {name!r}; choose one of {sorted(CONTROLLERS)}"
         ) from None
-    return ctl_cls(cfg_cls(**(params or {})))  # type: ignore[call-arg]
+    return ctl_cls(cfg_cls(**(params or {})))
