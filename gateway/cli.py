@@ -1,0 +1,137 @@
+"""`kneegate`: serve, check-config, demo, and the benchmark tools.
+
+    kneegate serve [--config FILE] [--upstream URL ...] [--host H] [--port P]
+                   [--controller NAME] [--limit N] [--workers N]
+    kneegate check-config FILE        # exit 0, or 1 naming the field path and the reason
+    kneegate demo                     # gateway + emulator + a load ramp past the knee
+    kneegate engine|sweep|simulate …  # the tools in benchmarks/ (loaded only when asked)
+
+Flags override the file. `--limit N` sets every upstream's controller `initial` (and lifts
+its `max_limit` to at least N); with `--workers W` each worker gets its share of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gateway.config import GatewayConfig, load_config, parse_config
+from gateway.errors import ConfigError
+
+__all__ = ["apply_flags", "main"]
+
+log = logging.getLogger("kneegate")
+
+
+def _serve_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (see examples/kneegate.yaml)")
+    p.add_argument("--upstream", action="append", metavar="URL",
+                   help="engine base URL; repeat for several (replaces the file's list)")
+    p.add_argument("--host", help="bind address")
+    p.add_argument("--port", type=int, help="listen port")
+    p.add_argument("--controller", help="controller for every upstream (fixed, aimd, ...)")
+    p.add_argument("--limit", type=int, help="initial concurrency limit per upstream")
+    p.add_argument("--workers", type=int, help="processes sharing the port")
+
+
+def apply_flags(cfg: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
+    """The file's config with command-line flags laid over it, validated again."""
+    data: dict[str, Any] = cfg.model_dump()
+    if args.upstream:
+        data["upstreams"] = [
+            {"name": f"upstream{i}", "url": url} for i, url in enumerate(args.upstream)
+        ]
+    for up in data["upstreams"]:
+        if args.controller:
+            if up.get("controller") != args.controller:
+                up["params"] = {}
+            up["controller"] = args.controller
+        if args.limit is not None:
+            params = up.setdefault("params", {})
+            params["initial"] = args.limit
+            params["max_limit"] = max(args.limit, params.get("max_limit", 1024))
+            params["min_limit"] = min(args.limit, params.get("min_limit", 1))
+    server = data["server"]
+    for key in ("host", "port", "workers"):
+        if getattr(args, key) is not None:
+            server[key] = getattr(args, key)
+    return parse_config(data, "command line")
+
+
+def _load(args: argparse.Namespace) -> GatewayConfig:
+    base = load_config(args.config) if args.config else GatewayConfig()
+    return apply_flags(base, args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.server import run
+
+    cfg = _load(args)
+    return run(cfg, prepare=lambda c: apply_flags(c, args), config_path=args.config)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    cfg = load_config(args.file)
+    names = ", ".join(f"{u.name}={u.url} ({u.controller})" for u in cfg.upstreams)
+    print(f"{args.file}: ok; upstreams: {names or 'none (embedded emulator)'}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    return int(run_demo(seconds=args.seconds, limit=args.limit, peak=args.peak))
+
+
+def _lazy(module: str, func: str = "main") -> Callable[[list[str]], int]:
+    def call(argv: list[str]) -> int:
+        import importlib
+
+        mod = importlib.import_module(module)
+        return int(getattr(mod, func)(argv) or 0)
+
+    return call
+
+
+PASSTHROUGH = {
+    "engine": _lazy("benchmarks.engine.__main__"),
+    "sweep": _lazy("benchmarks.sweep"),
+    "simulate": _lazy("benchmarks.simulate"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kneegate", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway")
+    _serve_parser(serve)
+    serve.set_defaults(func=cmd_serve)
+    check = sub.add_parser("check-config", help="validate a config file")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_check)
+    demo = sub.add_parser("demo", help="gateway + emulator + a load ramp past the knee")
+    demo.add_argument("--seconds", type=float, default=40.0, help="length of the ramp")
+    demo.add_argument("--limit", type=int, default=8, help="the gateway's fixed limit")
+    demo.add_argument("--peak", type=int, default=48, help="concurrent clients at the top")
+    demo.set_defaults(func=cmd_demo)
+    for name in PASSTHROUGH:
+        sub.add_parser(name, help=f"benchmarks: {name} (its own --help)", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSTHROUGH:
+        return PASSTHROUGH[argv[0]](argv[1:])
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kneegate: invalid config: {exc}", file=sys.stderr)
+        return 2 if args.command != "check-config" else 1
+    except KeyboardInterrupt:
+        return 0

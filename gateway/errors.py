@@ -1,0 +1,151 @@
+"""Every error the gateway raises or answers with, and the one wire format for them.
+
+    KneegateError
+    ├── ConfigError            a config file or reload failed validation (field path + reason)
+    └── HTTPError              answered to the caller as an OpenAI-style error body
+        ├── Rejection          admission said no; always carries Retry-After
+        │   ├── QueueFull          429 queue_full
+        │   ├── QueueTimeout       503 queue_timeout
+        │   └── NoUpstream         503 no_upstream
+        ├── NotFound           404: not a proxied path (never an open proxy)
+        ├── BodyTooLarge       413: over max_body_bytes
+        ├── Unauthorized       401: admin endpoint without the right bearer token
+        └── UpstreamError      502: the engine failed or broke off
+            ├── UpstreamConnectError  502: could not connect (marks the upstream unusable)
+            └── UpstreamTimeout       504: connect / first byte / idle timeout
+
+`render(exc)` is the single translation to the wire: status, headers (Retry-After and
+`X-Kneegate-Reject-Reason` for rejections) and the body
+`{"error": {"message", "type", "param", "code"}}` that OpenAI clients understand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import ClassVar
+
+from gateway.types import Send
+
+__all__ = [
+    "BodyTooLarge",
+    "ConfigError",
+    "HTTPError",
+    "KneegateError",
+    "NoUpstream",
+    "NotFound",
+    "QueueFull",
+    "QueueTimeout",
+    "Rejection",
+    "Unauthorized",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "render",
+    "send_error",
+]
+
+REASON_HEADER = b"x-kneegate-reject-reason"
+
+
+class KneegateError(Exception):
+    """Base of everything kneegate raises on purpose."""
+
+
+class ConfigError(KneegateError):
+    """A config document failed validation: `source`, the dotted `field` path, `reason`."""
+
+    def __init__(self, source: str, field: str, reason: str) -> None:
+        self.source, self.field, self.reason = source, field, reason
+        where = f"{source}: {field}" if field else source
+        super().__init__(f"{where}: {reason}")
+
+
+class HTTPError(KneegateError):
+    """An error answered to the HTTP caller."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str | None] = None
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+    def extra_headers(self) -> list[tuple[bytes, bytes]]:
+        return []
+
+
+class Rejection(HTTPError):
+    """Admission refused the request; the caller should retry after `retry_after` seconds."""
+
+    reason: ClassVar[str] = "rejected"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def extra_headers(self) -> list[tuple[bytes, bytes]]:
+        return [
+            (b"retry-after", str(self.retry_after).encode()),
+            (REASON_HEADER, self.reason.encode()),
+        ]
+
+
+class QueueFull(Rejection):
+    status, type, code, reason = 429, "rate_limit_error", "queue_full", "queue_full"
+
+
+class QueueTimeout(Rejection):
+    status, type, code, reason = 503, "server_error", "queue_timeout", "queue_timeout"
+
+
+class NoUpstream(Rejection):
+    status, type, code, reason = 503, "server_error", "no_upstream", "no_upstream"
+
+
+class NotFound(HTTPError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class BodyTooLarge(HTTPError):
+    status, type, code = 413, "invalid_request_error", "body_too_large"
+
+
+class Unauthorized(HTTPError):
+    status, type, code = 401, "invalid_request_error", "unauthorized"
+
+
+class UpstreamError(HTTPError):
+    status, type, code = 502, "server_error", "upstream_error"
+
+
+class UpstreamConnectError(UpstreamError):
+    status, type, code = 502, "server_error", "upstream_unreachable"
+
+
+class UpstreamTimeout(UpstreamError):
+    status, type, code = 504, "server_error", "upstream_timeout"
+
+
+def render(exc: HTTPError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The one wire format: (status, headers, body) for an HTTPError."""
+    body = json.dumps(
+        {"error": {"message": exc.message, "type": exc.type, "param": None, "code": exc.code}}
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *exc.extra_headers(),
+    ]
+    return exc.status, headers, body
+
+
+async def send_error(
+    send: Send, exc: HTTPError, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """Answer `exc` on an ASGI `send` whose response has not started."""
+    status, headers, body = render(exc)
+    headers.extend(extra)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,163 @@
+"""Every `kneegate_*` series, declared once, bound to an injected registry.
+
+Counting is arranged so that nothing is lost without a count. At every scrape:
+
+    received = admitted + shed + queue_timeout + queue_depth
+    admitted = completed + upstream_error + client_cancelled + in_flight
+
+(`shed` has reasons queue_full, no_upstream and client_gone — the caller left while
+queued; `upstream_error` covers errors, timeouts and engine overload, detailed in
+`kneegate_upstream_failures_total`). Each counter moves in the same synchronous step as
+the state it counts, so the identities hold exactly whenever the event loop can answer a
+scrape; with nothing queued or in flight they are the bare identities of DESIGN.md.
+
+Gauges that mirror live state (limit, in-flight, queue depth, knee estimate) are read at
+scrape time by a small Collector, never pushed from the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controllers.base import Outcome
+
+__all__ = ["FINISHED", "GatewayMetrics", "LiveUpstream"]
+
+# Outcome -> the `outcome` label of kneegate_requests_finished_total.
+FINISHED = {
+    Outcome.OK: "completed",
+    Outcome.UPSTREAM_ERROR: "upstream_error",
+    Outcome.TIMEOUT: "upstream_error",
+    Outcome.UPSTREAM_OVERLOADED: "upstream_error",
+    Outcome.CLIENT_CANCELLED: "client_cancelled",
+}
+_FAILURE_KIND = {
+    Outcome.UPSTREAM_ERROR: "error",
+    Outcome.TIMEOUT: "timeout",
+    Outcome.UPSTREAM_OVERLOADED: "overloaded",
+}
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+_TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class LiveUpstream(Protocol):
+    """What the scrape-time collector reads from an upstream."""
+
+    name: str
+    inflight: int
+    usable: bool
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def knee_estimate(self) -> float | None: ...
+
+
+class _LiveCollector(Collector):
+    def __init__(
+        self,
+        upstreams: Callable[[], Iterable[LiveUpstream]],
+        queue_depths: Callable[[], Iterable[tuple[str, int]]],
+    ) -> None:
+        self._upstreams, self._depths = upstreams, queue_depths
+
+    def collect(self) -> Iterator[Metric]:
+        ups = list(self._upstreams())
+        families = {
+            "limit": GaugeMetricFamily(
+                "kneegate_limit", "Concurrency limit per upstream", labels=["upstream"]),
+            "in_flight": GaugeMetricFamily(
+                "kneegate_in_flight", "Requests holding a slot per upstream", labels=["upstream"]),
+            "usable": GaugeMetricFamily(
+                "kneegate_upstream_usable", "1 when the upstream takes requests",
+                labels=["upstream"]),
+            "knee": GaugeMetricFamily(
+                "kneegate_knee_estimate", "Controller's knee estimate (NaN when none)",
+                labels=["upstream"]),
+        }
+        for u in ups:
+            knee = u.knee_estimate
+            families["limit"].add_metric([u.name], u.limit)
+            families["in_flight"].add_metric([u.name], u.inflight)
+            families["usable"].add_metric([u.name], 1.0 if u.usable else 0.0)
+            families["knee"].add_metric([u.name], math.nan if knee is None else knee)
+        yield from families.values()
+        depth = GaugeMetricFamily(
+            "kneegate_queue_depth", "Requests waiting for a slot, by class", labels=["class"])
+        for cls, n in self._depths():
+            depth.add_metric([cls], n)
+        yield depth
+
+
+class GatewayMetrics:
+    """All of the gateway's series. One instance per registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        r = registry
+        self.received = Counter(
+            "kneegate_requests_received", "Requests offered to admission", ["class"], registry=r)
+        self.admitted = Counter(
+            "kneegate_requests_admitted", "Requests given a slot", ["upstream", "class"],
+            registry=r)
+        self.shed = Counter(
+            "kneegate_requests_shed", "Requests refused without a slot", ["class", "reason"],
+            registry=r)
+        self.queue_timeout = Counter(
+            "kneegate_requests_queue_timeout", "Requests that waited past their class timeout",
+            ["class"], registry=r)
+        self.finished = Counter(
+            "kneegate_requests_finished", "Admitted requests by how they ended",
+            ["upstream", "outcome"], registry=r)
+        self.failures = Counter(
+            "kneegate_upstream_failures", "Upstream errors by kind", ["upstream", "kind"],
+            registry=r)
+        self.queue_wait = Histogram(
+            "kneegate_queue_wait_seconds", "Time from arrival to a slot", ["class"],
+            buckets=_WAIT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "kneegate_ttft_seconds", "Dispatch to first streamed event", ["upstream"],
+            buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "kneegate_tpot_seconds", "Time per output token after the first", ["upstream"],
+            buckets=_TPOT_BUCKETS, registry=r)
+        self.output_tokens = Counter(
+            "kneegate_output_tokens", "Output tokens relayed", ["upstream"], registry=r)
+        self.reloads = Counter(
+            "kneegate_config_reloads", "Config reloads by result", ["result"], registry=r)
+        self._live: _LiveCollector | None = None
+
+    def bind_live(
+        self,
+        upstreams: Callable[[], Iterable[LiveUpstream]],
+        queue_depths: Callable[[], Sequence[tuple[str, int]]],
+    ) -> None:
+        """Register the scrape-time reader of limit, in-flight, queue depth and knee."""
+        if self._live is not None:
+            self.registry.unregister(self._live)
+        self._live = _LiveCollector(upstreams, queue_depths)
+        self.registry.register(self._live)
+
+    def count_finished(
+        self, upstream: str, outcome: Outcome, ttft: float | None, tpot: float | None,
+        output_tokens: int,
+    ) -> None:
+        self.finished.labels(upstream, FINISHED[outcome]).inc()
+        kind = _FAILURE_KIND.get(outcome)
+        if kind is not None:
+            self.failures.labels(upstream, kind).inc()
+        if ttft is not None:
+            self.ttft.labels(upstream).observe(ttft)
+        if tpot is not None:
+            self.tpot.labels(upstream).observe(tpot)
+        if output_tokens:
+            self.output_tokens.labels(upstream).inc(output_tokens)

@@ -1,0 +1,305 @@
+"""The hot path: admit, forward, relay chunk by chunk, release.
+
+One request, in order:
+1. read the body (413 past `max_body_bytes`), pick its class (API key, else header, else
+   the default), build the forwarded headers (hop-by-hop dropped, X-Forwarded-For added,
+   X-Request-Id kept or made);
+2. `gate.acquire(class)`: a permit, or a Rejection answered as 429/503 with Retry-After;
+3. open the upstream request and send every chunk straight to ASGI `send` as it arrives
+   (no StreamingResponse, no re-encoding), through the `Tap`;
+4. `finally`: finish the permit synchronously (the slot is free before anything else can
+   happen), then close the upstream connection unless it ended cleanly, which is what makes
+   the engine abort a request whose caller went away.
+
+Two things end an exchange from outside, both by cancelling its task with a reason: the
+disconnect watcher (a task blocked on `receive()`, which only returns again when the
+client leaves) and the sweeper the tick runs, which enforces the first-byte and idle
+deadlines by comparing chunk counters — no timer per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controllers.base import Outcome, Sample
+from gateway.config import GatewayConfig
+from gateway.errors import (
+    BodyTooLarge,
+    Rejection,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+    send_error,
+)
+from gateway.gate import Gate, Permit
+from gateway.tap import Tap
+from gateway.types import Clock, Receive, Scope, Send
+from gateway.upstream_client import UpstreamClient, UpstreamResponse, upstream_errors
+from gateway.upstreams import UpstreamPool
+
+__all__ = ["Exchange", "Proxy", "ProxySettings"]
+
+# RFC 9110 §7.6.1 connection-specific fields, plus what the client library recomputes.
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"proxy-connection",
+    b"host", b"content-length", b"expect",
+})
+_RESPONSE_DROP = HOP_BY_HOP - {b"content-length"}
+_END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """What the hot path reads, prepared once per config (load or reload)."""
+
+    max_body: int
+    class_header: bytes
+    classes: dict[bytes, str]
+    api_keys: dict[bytes, str]
+    default_class: str
+    first_byte: float
+    idle: float
+
+    @classmethod
+    def from_config(cls, cfg: GatewayConfig) -> ProxySettings:
+        return cls(
+            max_body=cfg.max_body_bytes,
+            class_header=cfg.class_header.lower().encode("latin-1"),
+            classes={name.encode(): name for name in cfg.classes},
+            api_keys={key.encode(): name for key, name in cfg.api_keys.items()},
+            default_class=cfg.default_class,
+            first_byte=cfg.timeouts.first_byte,
+            idle=cfg.timeouts.idle,
+        )
+
+    def classify(self, header: bytes | None, auth: bytes | None) -> str:
+        if auth is not None and self.api_keys and auth[:7].lower() == b"bearer ":
+            cls = self.api_keys.get(auth[7:].strip())
+            if cls is not None:
+                return cls
+        if header is not None:
+            return self.classes.get(header.strip(), self.default_class)
+        return self.default_class
+
+
+class Exchange:
+    """One request in flight: what the watcher and the sweeper need to end it."""
+
+    __slots__ = (
+        "aborted", "admitted_at", "chunks", "finished", "seen_at", "seen_chunks", "started",
+        "task",
+    )
+
+    def __init__(self, task: asyncio.Task[object]) -> None:
+        self.task = task
+        self.aborted: Outcome | None = None
+        self.started = False  # response headers sent to the client
+        self.finished = False  # the last byte is on its way: nothing may abort now
+        self.admitted_at = 0.0
+        self.chunks = 0
+        self.seen_chunks = 0
+        self.seen_at = 0.0
+
+    def abort(self, outcome: Outcome) -> None:
+        if self.aborted is None and not self.finished:
+            self.aborted = outcome
+            self.task.cancel()
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when the client left first."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        body: bytes = msg.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds {limit} bytes; send a smaller request")
+        if not msg.get("more_body", False):
+            return body if not chunks else b"".join([*chunks, body])
+        chunks.append(body)
+
+
+async def _watch(receive: Receive, ex: Exchange) -> None:
+    # After the body, receive() returns only when the client disconnects (or the response
+    # completed, which `finished` tells apart).
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    ex.abort(Outcome.CLIENT_CANCELLED)
+
+
+def _outcome_for_status(status: int) -> Outcome:
+    if status in (429, 503):
+        return Outcome.UPSTREAM_OVERLOADED
+    return Outcome.UPSTREAM_ERROR if status >= 500 else Outcome.OK
+
+
+class Proxy:
+    """The ASGI endpoint for every proxied path."""
+
+    def __init__(
+        self, settings: ProxySettings, gate: Gate, pool: UpstreamPool, client: UpstreamClient,
+        clock: Clock,
+    ) -> None:
+        self.settings, self.gate, self.pool, self.client = settings, gate, pool, client
+        self.clock = clock
+        self.active: set[Exchange] = set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        s = self.settings
+        try:
+            body = await read_body(receive, s.max_body)
+        except BodyTooLarge as exc:
+            await send_error(send, exc)
+            return
+        if body is None:
+            return
+        headers, rid, cls = self._forward_headers(scope, s)
+        task = asyncio.current_task()
+        assert task is not None
+        ex = Exchange(task)
+        watcher = asyncio.create_task(_watch(receive, ex))
+        try:
+            await self._serve(ex, scope, send, headers, body, rid, cls)
+        except asyncio.CancelledError:
+            if ex.aborted is None:
+                raise
+            task.uncancel()
+            if ex.aborted is Outcome.TIMEOUT and not ex.started:
+                await send_error(send, UpstreamTimeout(
+                    f"upstream sent nothing within {s.first_byte:g}s; retry later"),
+                    [(b"x-request-id", rid)])
+        finally:
+            watcher.cancel()
+
+    def _forward_headers(
+        self, scope: Scope, s: ProxySettings
+    ) -> tuple[list[tuple[str, str]], bytes, str]:
+        out: list[tuple[str, str]] = []
+        xff = rid = cls_value = auth = None
+        for k, v in scope["headers"]:
+            if k in HOP_BY_HOP:
+                continue
+            if k == b"x-forwarded-for":
+                xff = v
+                continue
+            if k == b"x-request-id":
+                rid = v
+            elif k == s.class_header:
+                cls_value = v
+            elif k == b"authorization":
+                auth = v
+            out.append((k.decode("latin-1"), v.decode("latin-1")))
+        if rid is None:
+            rid = uuid.uuid4().hex.encode()
+            out.append(("x-request-id", rid.decode()))
+        client = scope.get("client")
+        if client:
+            xff = client[0].encode() if xff is None else xff + b", " + client[0].encode()
+        if xff is not None:
+            out.append(("x-forwarded-for", xff.decode("latin-1")))
+        return out, rid, s.classify(cls_value, auth)
+
+    async def _serve(
+        self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[str, str]],
+        body: bytes, rid: bytes, cls: str,
+    ) -> None:
+        try:
+            permit = await self.gate.acquire(cls)
+        except Rejection as exc:
+            await send_error(send, exc, [(b"x-request-id", rid)])
+            return
+        ex.admitted_at = permit.admitted_at
+        self.active.add(ex)
+        resp: UpstreamResponse | None = None
+        tap: Tap | None = None
+        outcome = Outcome.CLIENT_CANCELLED  # what a cancellation leaves behind
+        try:
+            url = permit.upstream.url + _target(scope)
+            resp = await self.client.open(scope["method"], url, headers, body)
+            tap = Tap(self.clock, _is_sse(resp.headers))
+            with upstream_errors(permit.upstream.url):
+                await self._relay(ex, resp, tap, send, rid)
+            outcome = _outcome_for_status(resp.status)
+        except UpstreamError as exc:
+            outcome = self._upstream_failed(permit, exc)
+            if not ex.started:
+                await send_error(send, exc, [(b"x-request-id", rid)])
+        finally:
+            self.active.discard(ex)
+            if ex.aborted is not None:
+                outcome = ex.aborted
+            permit.finish(outcome, self._sample(permit, outcome, tap))
+            if resp is not None:
+                resp.release() if outcome is Outcome.OK and ex.finished else resp.close()
+
+    async def _relay(
+        self, ex: Exchange, resp: UpstreamResponse, tap: Tap, send: Send, rid: bytes
+    ) -> None:
+        headers = [(k.lower(), v) for k, v in resp.headers]
+        headers = [h for h in headers if h[0] not in _RESPONSE_DROP]
+        if not any(k == b"x-request-id" for k, _ in headers):
+            headers.append((b"x-request-id", rid))
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        ex.started = True
+        feed = tap.feed
+        async for chunk in resp.chunks():
+            ex.chunks += 1
+            feed(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        ex.finished = True
+        await send(_END)
+
+    def _upstream_failed(self, permit: Permit, exc: UpstreamError) -> Outcome:
+        if isinstance(exc, UpstreamConnectError):
+            self.pool.mark_failed(permit.upstream, self.clock())
+        return Outcome.TIMEOUT if isinstance(exc, UpstreamTimeout) else Outcome.UPSTREAM_ERROR
+
+    def _sample(self, permit: Permit, outcome: Outcome, tap: Tap | None) -> Sample | None:
+        if outcome is Outcome.CLIENT_CANCELLED:
+            return None  # counted, never a latency sample
+        at = permit.admitted_at
+        ttft = None
+        prompt = out = 0
+        if tap is not None:
+            prompt, out = tap.usage()
+            if tap.first_at is not None:
+                ttft = tap.first_at - at
+        return Sample(
+            admitted_at=at, duration=self.clock() - at, ttft=ttft, prompt_tokens=prompt,
+            output_tokens=out, inflight_at_admit=permit.ticket.inflight_at_admit,
+            outcome=outcome,
+        )
+
+    def sweep(self, now: float) -> None:
+        """Abort exchanges past their first-byte or idle deadline (called from the tick)."""
+        fb, idle = self.settings.first_byte, self.settings.idle
+        for ex in self.active:
+            if ex.chunks != ex.seen_chunks:
+                ex.seen_chunks, ex.seen_at = ex.chunks, now
+            elif ex.chunks == 0:
+                if now - ex.admitted_at > fb:
+                    ex.abort(Outcome.TIMEOUT)
+            elif now - ex.seen_at > idle:
+                ex.abort(Outcome.TIMEOUT)
+
+
+def _target(scope: Scope) -> str:
+    path: bytes = scope.get("raw_path") or scope["path"].encode()
+    qs: bytes = scope.get("query_string", b"")
+    return (path + b"?" + qs if qs else path).decode("latin-1")
+
+
+def _is_sse(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    for k, v in headers:
+        if k.lower() == b"content-type":
+            return v.startswith(b"text/event-stream")
+    return False
+

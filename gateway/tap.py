@@ -1,0 +1,66 @@
+"""The tap: what the relay notices about a response while it passes, at near-zero cost.
+
+Per chunk it does three cheap things: note the time of the first `data:` event (the
+first token of a stream), count `data:` occurrences with `bytes.count` (a C loop), and
+keep references to the last two chunks. Nothing is JSON-parsed on the hot path. At the
+end it looks for `usage` once, in those tail bytes: the final usage chunk of a stream
+(`stream_options.include_usage`) or the body of a non-streamed JSON response.
+
+Output tokens: `usage.completion_tokens` when present, else the number of content events
+(every `data:` event minus `[DONE]` and a trailing usage-only event): vLLM emits about one
+event per decoded token, so this is an estimate, good enough for TPOT.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gateway.types import Clock
+
+__all__ = ["Tap"]
+
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_TAIL = 16384
+
+
+class Tap:
+    """Watches one response body go by. `streaming` is decided from the content type."""
+
+    __slots__ = ("_clock", "_last", "_prev", "events", "first_at", "streaming")
+
+    def __init__(self, clock: Clock, streaming: bool) -> None:
+        self._clock = clock
+        self.streaming = streaming
+        self.first_at: float | None = None
+        self.events = 0
+        self._prev = b""
+        self._last = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.streaming:
+            n = chunk.count(b"data:")
+            if n and self.first_at is None:
+                self.first_at = self._clock()
+            self.events += n
+        self._prev = self._last
+        self._last = chunk
+
+    def _tail(self) -> bytes:
+        return self._prev[-_TAIL:] + self._last[-_TAIL:]
+
+    def usage(self) -> tuple[int, int]:
+        """(prompt_tokens, output_tokens); 0 prompt tokens when the body did not say."""
+        tail = self._tail()
+        # the last match wins: a final usage chunk follows any per-chunk usage
+        done = _COMPLETION.findall(tail)
+        prompt = _PROMPT.findall(tail)
+        prompt_tokens = int(prompt[-1]) if prompt else 0
+        if done:
+            return prompt_tokens, int(done[-1])
+        if not self.streaming:
+            return prompt_tokens, 0
+        events = self.events - (1 if b"[DONE]" in tail else 0)
+        if prompt:  # a trailing usage-only event carries no token
+            events -= 1
+        return prompt_tokens, max(0, events)

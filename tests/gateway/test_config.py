@@ -1,0 +1,109 @@
+"""Config: validation names the field path; flags override; workers split fixed limits."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import apply_flags, main
+from gateway.config import GatewayConfig, load_config, parse_config, split_for_worker
+from gateway.errors import ConfigError
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "kneegate.yaml"
+
+
+def _field(data: object) -> tuple[str, str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return info.value.field, info.value.reason
+
+
+def test_example_file_loads() -> None:
+    cfg = load_config(EXAMPLE)
+    assert cfg.upstreams[0].name == "vllm-0"
+    assert cfg.classes["interactive"].priority > cfg.classes["batch"].priority
+    assert cfg.api_keys == {"sk-batch-jobs-0001": "batch"}
+
+
+def test_defaults_need_no_file() -> None:
+    cfg = GatewayConfig()
+    assert cfg.upstreams == [] and cfg.default_class in cfg.classes
+    assert cfg.timeouts.first_byte > 5 and cfg.timeouts.idle > 5  # never a library's 5 s
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "reason"),
+    [
+        ({"upstreams": [{"name": "a", "url": "localhost:8000"}]}, "upstreams.0.url", "http"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1/v1"}]}, "upstreams.0.url", "no path"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1", "controller": "magic"}]},
+         "upstreams.0.controller", "unknown controller"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1", "params": {"initial": 0}}]},
+         "upstreams.0.params", "initial"),
+        ({"timeouts": {"idle": -1}}, "timeouts.idle", "greater than 0"),
+        ({"max_queue": -1}, "max_queue", "greater than or equal to 0"),
+        ({"default_class": "vip"}, "default_class", "'vip' is not one of"),
+        ({"api_keys": {"k1234": "vip"}}, "api_keys", "unknown class 'vip'"),
+        ({"classes": {"a": {"queue_share": 2}}, "default_class": "a"},
+         "classes.a.queue_share", "less than or equal to 1"),
+        ({"sever": {}}, "sever", "Extra inputs are not permitted"),
+        ([1, 2], "", "mapping"),
+    ],
+)
+def test_bad_config_names_field_and_reason(data: object, field: str, reason: str) -> None:
+    got_field, got_reason = _field(data)
+    assert got_field == field
+    assert reason in got_reason
+
+
+def test_duplicate_upstream_names_rejected() -> None:
+    ups = [{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]
+    assert _field({"upstreams": ups})[0] == "upstreams"
+
+
+def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("upstreams:\n  - name: a\n    url: http://h:1\n    params: {initial: 0}\n")
+    assert main(["check-config", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "upstreams.0.params" in err and "initial" in err
+    assert main(["check-config", str(EXAMPLE)]) == 0
+    assert main(["check-config", str(tmp_path / "missing.yaml")]) == 1
+    (tmp_path / "broken.yaml").write_text("upstreams: [\n")
+    assert main(["check-config", str(tmp_path / "broken.yaml")]) == 1
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def _flags(**kw: object) -> argparse.Namespace:
+    base = dict(upstream=None, host=None, port=None, controller=None, limit=None, workers=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_flags_override_the_file() -> None:
+    cfg = apply_flags(load_config(EXAMPLE), _flags(
+        upstream=["http://10.0.0.1:8000"], port=9999, limit=100000, workers=2))
+    assert [u.url for u in cfg.upstreams] == ["http://10.0.0.1:8000"]
+    assert cfg.upstreams[0].params["initial"] == 100000  # above the default max_limit
+    assert cfg.server.port == 9999 and cfg.server.workers == 2
+    assert cfg.classes == load_config(EXAMPLE).classes
+
+
+def test_flags_switch_controller_and_drop_old_params() -> None:
+    cfg = apply_flags(load_config(EXAMPLE), _flags(controller="aimd", limit=8))
+    assert cfg.upstreams[0].controller == "aimd"
+    assert cfg.upstreams[0].params["initial"] == 8
+
+
+def test_workers_split_a_fixed_limit_exactly() -> None:
+    cfg = parse_config({"max_queue": 10, "upstreams": [
+        {"name": "a", "url": "http://h:1", "params": {"initial": 10, "min_limit": 4}}]})
+    parts = [split_for_worker(cfg, i, 4) for i in range(4)]
+    limits = [p.upstreams[0].params["initial"] for p in parts]
+    assert limits == [3, 3, 2, 2] and sum(limits) == 10
+    assert sum(p.max_queue for p in parts) == 10
+    assert all(p.upstreams[0].params["min_limit"] <= p.upstreams[0].params["initial"]
+               for p in parts)
+    assert split_for_worker(cfg, 0, 1) is cfg

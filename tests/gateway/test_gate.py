@@ -1,0 +1,183 @@
+"""The gate: permits, queue waits, timeouts, cancellation, and counts that always add up."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controllers.base import Outcome, Sample
+from controllers.registry import build_controller
+from gateway.admission import AdmissionQueue, ClassPolicy
+from gateway.errors import QueueFull, QueueTimeout
+from gateway.gate import Gate, Permit
+from gateway.metrics import GatewayMetrics
+from gateway.upstreams import Upstream
+
+pytestmark = pytest.mark.anyio
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, dt: float) -> None:
+        if dt < 0:
+            raise ValueError("time can't go backwards")
+        self.now += dt
+
+
+def make_gate(limit: int = 2, max_queue: int = 4) -> tuple[Gate, Upstream, FakeClock]:
+    up = Upstream(name="e0", controller=build_controller("fixed", {"initial": limit}))
+    classes = {"hi": ClassPolicy("hi", 10, max_wait=1.0), "lo": ClassPolicy("lo", 0, max_wait=5.0)}
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    gate = Gate(AdmissionQueue([up], classes, max_queue), metrics, clock)
+    metrics.bind_live(lambda: [up], lambda: [(c, gate.queue.depth(c)) for c in classes])
+    return gate, up, clock
+
+
+def value(gate: Gate, name: str, **labels: str) -> float:
+    return gate.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def conserved(gate: Gate) -> None:
+    reg = gate.metrics.registry
+    def s(name: str) -> float:
+        return sum(x.value for m in reg.collect() for x in m.samples if x.name == name)
+    received = s("kneegate_requests_received_total")
+    admitted = s("kneegate_requests_admitted_total")
+    assert received == admitted + s("kneegate_requests_shed_total") + s(
+        "kneegate_requests_queue_timeout_total") + s("kneegate_queue_depth")
+    assert admitted == s("kneegate_requests_finished_total") + s("kneegate_in_flight")
+
+
+def sample(outcome: Outcome = Outcome.OK) -> Sample:
+    return Sample(admitted_at=100.0, duration=1.0, ttft=0.1, prompt_tokens=3, output_tokens=11,
+                  inflight_at_admit=1, outcome=outcome)
+
+
+async def test_finish_is_idempotent() -> None:
+    gate, up, _ = make_gate()
+    permit = await gate.acquire("hi")
+    assert up.inflight == 1
+    assert permit.finish(Outcome.OK, sample()) is True
+    assert permit.finish(Outcome.OK, sample()) is False
+    assert permit.finish(Outcome.CLIENT_CANCELLED) is False
+    assert up.inflight == 0
+    assert value(gate, "kneegate_requests_finished_total", upstream="e0", outcome="completed") == 1
+    assert value(gate, "kneegate_output_tokens_total", upstream="e0") == 11
+    conserved(gate)
+
+
+async def test_cancelled_is_counted_but_not_a_sample() -> None:
+    gate, up, _ = make_gate()
+    seen: list[Sample] = []
+    up.controller.on_sample = seen.append  # type: ignore[method-assign]
+    (await gate.acquire("hi")).finish(Outcome.CLIENT_CANCELLED, sample(Outcome.CLIENT_CANCELLED))
+    (await gate.acquire("hi")).finish(Outcome.TIMEOUT, sample(Outcome.TIMEOUT))
+    assert [s.outcome for s in seen] == [Outcome.TIMEOUT]
+    assert value(gate, "kneegate_requests_finished_total", upstream="e0",
+                 outcome="client_cancelled") == 1
+    assert value(gate, "kneegate_upstream_failures_total", upstream="e0", kind="timeout") == 1
+
+
+async def test_queued_request_gets_the_freed_slot_higher_class_first() -> None:
+    gate, up, clock = make_gate(limit=1)
+    first = await gate.acquire("lo")
+    lo = asyncio.create_task(gate.acquire("lo"))
+    hi = asyncio.create_task(gate.acquire("hi"))
+    await asyncio.sleep(0)  # both tasks reach the queue
+    assert gate.queue.depth() == 2
+    conserved(gate)
+    clock.advance(0.5)
+    first.finish(Outcome.OK, sample())
+    with anyio.fail_after(1):
+        got: Permit = await hi
+    assert not lo.done() and got.upstream is up
+    assert value(gate, "kneegate_queue_wait_seconds_sum", **{"class": "hi"}) == 0.5
+    got.finish(Outcome.OK, sample())
+    with anyio.fail_after(1):
+        (await lo).finish(Outcome.OK, sample())
+    assert up.inflight == 0
+    conserved(gate)
+
+
+async def test_queue_full_is_429_with_retry_after() -> None:
+    gate, _, _ = make_gate(limit=1, max_queue=1)
+    await gate.acquire("lo")
+    waiting = asyncio.create_task(gate.acquire("lo"))
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull) as info:
+        await gate.acquire("lo")
+    assert info.value.retry_after >= 1 and "full" in info.value.message
+    assert value(gate, "kneegate_requests_shed_total", **{"class": "lo"},
+                 reason="queue_full") == 1
+    waiting.cancel()
+    conserved(gate)
+
+
+async def test_wait_past_class_timeout_is_503() -> None:
+    gate, up, clock = make_gate(limit=1)
+    await gate.acquire("hi")
+    waiting = asyncio.create_task(gate.acquire("hi"))
+    await asyncio.sleep(0)
+    clock.advance(0.9)
+    gate.tick([up])
+    assert not waiting.done()
+    clock.advance(0.2)
+    gate.tick([up])
+    with anyio.fail_after(1), pytest.raises(QueueTimeout) as info:
+        await waiting
+    assert "exceeded 1s for class 'hi'" in info.value.message
+    assert value(gate, "kneegate_requests_queue_timeout_total", **{"class": "hi"}) == 1
+    conserved(gate)
+
+
+async def test_caller_leaving_the_queue_is_counted_and_frees_its_place() -> None:
+    gate, up, _ = make_gate(limit=1)
+    held = await gate.acquire("lo")
+    waiting = asyncio.create_task(gate.acquire("lo"))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert gate.queue.depth() == 0
+    assert value(gate, "kneegate_requests_shed_total", **{"class": "lo"},
+                 reason="client_gone") == 1
+    held.finish(Outcome.OK, sample())
+    assert up.inflight == 0
+    conserved(gate)
+
+
+async def test_caller_leaving_just_after_dispatch_gives_the_slot_back() -> None:
+    gate, up, _ = make_gate(limit=1)
+    held = await gate.acquire("lo")
+    waiting = asyncio.create_task(gate.acquire("lo"))
+    await asyncio.sleep(0)
+    held.finish(Outcome.OK, sample())  # dispatches the waiter: its future is resolved...
+    waiting.cancel()  # ...but its task is cancelled before it resumes
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert up.inflight == 0
+    assert value(gate, "kneegate_requests_finished_total", upstream="e0",
+                 outcome="client_cancelled") == 1
+    conserved(gate)
+
+
+async def test_a_growing_limit_dispatches_at_the_tick() -> None:
+    gate, up, _ = make_gate(limit=1)
+    await gate.acquire("lo")
+    waiting = asyncio.create_task(gate.acquire("lo"))
+    await asyncio.sleep(0)
+    up.controller._set_limit(2)  # type: ignore[attr-defined]
+    gate.tick([up])
+    with anyio.fail_after(1):
+        await waiting
+    assert up.inflight == 2

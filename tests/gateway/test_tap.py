@@ -1,0 +1,60 @@
+"""The tap: first-event time, token counts from usage or events, non-streamed usage."""
+
+from __future__ import annotations
+
+import json
+
+from gateway.tap import Tap
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _event(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_first_data_event_time_and_usage_chunk() -> None:
+    clock = Clock()
+    tap = Tap(clock, streaming=True)
+    clock.now = 1.0
+    tap.feed(b": keep-alive comment\n\n")  # not a data event
+    assert tap.first_at is None
+    clock.now = 2.5
+    tap.feed(_event({"choices": [{"text": "a"}], "usage": None}))
+    clock.now = 3.0
+    tap.feed(_event({"choices": [{"text": "b"}]}))
+    tap.feed(_event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 42}})
+             + b"data: [DONE]\n\n")
+    assert tap.first_at == 2.5
+    assert tap.usage() == (7, 42)
+
+
+def test_counts_events_without_usage() -> None:
+    tap = Tap(Clock(), streaming=True)
+    for i in range(5):
+        tap.feed(_event({"choices": [{"text": str(i)}]}))
+    tap.feed(b"data: [DONE]\n\n")
+    assert tap.usage() == (0, 5)
+
+
+def test_coalesced_chunks_count_every_event() -> None:
+    tap = Tap(Clock(), streaming=True)
+    tap.feed(b"".join(_event({"choices": [{"text": "x"}]}) for _ in range(3)))
+    tap.feed(b"data: [DONE]\n\n")
+    assert tap.usage() == (0, 3)
+
+
+def test_non_streamed_json_usage() -> None:
+    tap = Tap(Clock(), streaming=False)
+    body = json.dumps({"choices": [{"text": "hi"}],
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 9}}).encode()
+    tap.feed(body[:20])
+    tap.feed(body[20:])
+    assert tap.first_at is None
+    assert tap.usage() == (3, 9)
