@@ -150,7 +150,9 @@ class AdmissionQueue:
         self.upstreams = list(upstreams)
         for name in classes:
             self._queues.setdefault(name, deque())
-        rank = {n: self.classes[n].priority if n in self.classes else -(10**9) for n in self._queues}
+        # a class a reload removed keeps draining, after every configured class
+        rank = {n: self.classes[n].priority if n in self.classes else -(10**9)
+                for n in self._queues}
         self._order = sorted(self._queues, key=lambda n: -rank[n])
 
     def capacity(self, cls: str) -> int:

@@ -44,6 +44,7 @@ def uvicorn_config(app: Any, *, log_level: str = "warning") -> uvicorn.Config:
         http="httptools",
         lifespan="on",
         access_log=False,  # a log line per request would cost more than the relay
+        proxy_headers=False,  # we are the proxy: the peer's address is the client's
         server_header=False,  # the upstream's own Server and Date headers pass through
         date_header=False,
         backlog=4096,

@@ -14,6 +14,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig, parse_config
+from gateway.server import uvicorn_config
 
 
 @contextlib.asynccontextmanager
@@ -22,9 +23,7 @@ async def serve(app: Any) -> AsyncIterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, http="httptools", log_level="warning", lifespan="on",
-                            access_log=False)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     with anyio.fail_after(10):
         while not server.started:
