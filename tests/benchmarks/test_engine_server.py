@@ -1,0 +1,163 @@
+"""The emulator behind a real socket, spoken to by the real openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=10, max_retries=0)
+
+
+def test_streaming_completion_parses_with_the_openai_client(emulator) -> None:
+    url, _ = emulator
+    chunks = list(
+        client(url).completions.create(
+            model="cpu-tiny",
+            prompt="hello world",
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok1 tok2 tok3 tok4 tok5"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage.prompt_tokens == 3  # ceil(11 bytes / 4)
+    assert chunks[0].id.startswith("cmpl-") and chunks[0].object == "text_completion"
+
+
+def test_non_streaming_completion_with_token_ids(emulator) -> None:
+    url, _ = emulator
+    r = client(url).completions.create(model="cpu-tiny", prompt=[1, 2, 3, 4], max_tokens=3)
+    assert r.choices[0].text == " tok1 tok2 tok3" and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (4, 3)
+
+
+def test_chat_streaming_and_not(emulator) -> None:
+    url, _ = emulator
+    messages = [{"role": "user", "content": "abcdefgh"}]
+    chunks = list(
+        client(url).chat.completions.create(
+            model="cpu-tiny",
+            messages=messages,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == " tok1 tok2 tok3 tok4"
+    )
+    assert chunks[-1].usage.prompt_tokens == 3 + 4 + 2  # priming + per-message + ceil(8/4)
+    assert chunks[0].id.startswith("chatcmpl-")
+    r = client(url).chat.completions.create(model="cpu-tiny", messages=messages, max_tokens=2)
+    assert r.choices[0].message.content == " tok1 tok2" and r.usage.completion_tokens == 2
+
+
+def test_sse_wire_format_is_vllms(emulator) -> None:
+    url, _ = emulator
+    body = {
+        "model": "cpu-tiny",
+        "prompt": "x",
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    raw = httpx.post(f"{url}/v1/completions", json=body, timeout=10).text
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert '"choices":[]' in events[-3] and '"usage"' in events[-3]
+
+
+def test_models_health_version(emulator) -> None:
+    url, _ = emulator
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0]["id"] == "cpu-tiny" and models["data"][0]["max_model_len"] == 2048
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert "version" in httpx.get(f"{url}/version").json()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "JSON"),
+        (b'{"model": "cpu-tiny"}', 400, "prompt"),
+        (b'{"prompt": "hi", "max_tokens": 0}', 400, "at least 1"),
+        (b'{"prompt": "hi", "max_tokens": 5000}', 400, "maximum context length is 2048"),
+        (b'{"model": "gpt-9", "prompt": "hi"}', 404, "does not exist"),
+    ],
+)
+def test_errors_have_vllms_shape(emulator, body: bytes, status: int, needle: str) -> None:
+    url, _ = emulator
+    r = httpx.post(
+        f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert needle in err["message"]
+
+
+def test_metrics_parse_and_count(emulator) -> None:
+    url, _ = emulator
+    before = metric(url, "vllm:generation_tokens_total")
+    client(url).completions.create(model="cpu-tiny", prompt="hi", max_tokens=7)
+    assert metric(url, "vllm:generation_tokens_total") == before + 7
+    assert metric(url, "vllm:time_to_first_token_seconds_count", engine="0") >= 1
+    assert (
+        metric(url, "vllm:request_success_total", finished_reason="length", model_name="cpu-tiny")
+        >= 1
+    )
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+    ):
+        metric(url, name)
+
+
+def test_disconnect_mid_stream_aborts_within_one_second(emulator) -> None:
+    url, _ = emulator
+    aborts = metric(url, "vllm:request_success_total", finished_reason="abort")
+    body = {"model": "cpu-tiny", "prompt": "x" * 400, "max_tokens": 1500, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as r:
+        chunks = r.iter_raw()  # keep it: a dropped iterator closes the connection
+        assert next(chunks).startswith(b"data: ")  # the first token is out: it is running
+        assert metric(url, "vllm:num_requests_running") == 1
+        assert metric(url, "vllm:kv_cache_usage_perc") > 0
+    deadline = time.monotonic() + 1.0
+    while metric(url, "vllm:request_success_total", finished_reason="abort") == aborts:
+        assert time.monotonic() < deadline, "no abort within 1 s of the disconnect"
+    assert metric(url, "vllm:num_requests_running") == 0
+    assert metric(url, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_admin_slowdown_sets_the_capacity_knob(emulator) -> None:
+    url, app = emulator
+    r = httpx.post(f"{url}/admin/slowdown", json={"factor": 2.0})
+    assert r.json() == {"slowdown": 2.0} and app.state.emulator.core.slowdown == 2.0
+    assert httpx.post(f"{url}/admin/slowdown", json={"factor": 0}).status_code == 400
+    httpx.post(f"{url}/admin/slowdown", json={"factor": 1.0})
