@@ -64,18 +64,21 @@ class KneeConfig(BaseControllerConfig):
         0.5, ge=0, lt=1, description="power under this x the best ends the curve"
     )
     probe_every: int = Field(4, ge=1, le=1000, description="windows between upward probes")
-    probe_step: float = Field(0.25, gt=0, le=2, description="a probe goes this far above the knee")
+    probe_step: float = Field(0.15, gt=0, le=2, description="a probe goes this far above the knee")
     backoff: float = Field(0.9, ge=0.5, lt=1, description="cut on breach, drop or distress")
     change: float = Field(
-        0.25, gt=0, lt=1, description="throughput shift at one level that resets the curve"
+        0.35, gt=0, lt=1, description="throughput shift at one level that resets the curve"
     )
     memory: float = Field(300.0, gt=0, le=86_400, description="seconds a curve point is kept")
+    objective_memory: float = Field(
+        30.0, gt=0, le=86_400, description="seconds a level stays marked as over the objectives"
+    )
     bin_ratio: float = Field(0.05, gt=0, le=1, description="relative width of a level bin")
     smoothing: float = Field(0.5, gt=0, le=1, description="weight of a new window at its level")
     saturation: float = Field(
         0.5, gt=0, le=1, description="share of a window at the limit that means demand > limit"
     )
-    window: float = Field(5.0, gt=0, le=600, description="minimum window length, seconds")
+    window: float = Field(10.0, gt=0, le=600, description="minimum window length, seconds")
     min_samples: int = Field(8, ge=1, le=10_000, description="samples before a window closes")
     max_window: float = Field(30.0, gt=0, le=3600, description="a window closes by this age")
 
@@ -118,25 +121,32 @@ class Knee(LimitController):
         self._since_probe = 0
         self._ref_tokens = 0.0
         self._engine_mode: bool | None = None
+        self._last_cut = -math.inf
+        self._cut_last = False
 
     # --- inputs -----------------------------------------------------------------------
 
     def _on_sample(self, s: Sample) -> None:
-        self._open(s.finished_at).add(s)
+        # admitted before the last cut: it measures a level the limit already left
+        if s.admitted_at >= self._last_cut:
+            self._open(s.finished_at).add(s)
 
     def _on_engine_stats(self, stats: EngineStats) -> None:
         w = self._open(stats.at)
         if is_distress(self._prev_stats, stats):
             w.distress = True
-        if stats.at >= w.start:  # lagged scrapes from before the window measure another level
-            w.stats.append(stats)
+        if not w.stats and self._prev_stats is not None:
+            w.stats.append(self._prev_stats)  # counters need a baseline: span the whole window
+        w.stats.append(stats)
         self._prev_stats = stats
 
     def _on_tick(self, now: float, inflight: int) -> None:
         w = self._open(now)
         w.tick(now, inflight, self.limit)
         c = self.cfg
-        if w.ready(now, c.window, c.min_samples, c.max_window):
+        # engine counters measure throughput without waiting for requests to finish
+        quorum = 1 if len(w.stats) >= 3 else c.min_samples
+        if w.ready(now, c.window, quorum, c.max_window):
             self._window = None
             self._close(w.summary(now))
 
@@ -149,13 +159,20 @@ class Knee(LimitController):
 
     def _close(self, w: Summary) -> None:
         bad = w.drops > 0 or w.distress or self._over_objective(w)
-        if w.samples:
+        if w.samples or w.engine_throughput is not None:
             self._learn(w, bad)
-        if bad:
+        # distress right after a cut is the engine still draining what the old limit admitted
+        cut_again = bad and not (
+            self._cut_last and w.distress and not w.drops and not self._over_objective(w)
+        )
+        self._cut_last = False
+        if cut_again:
+            self._cut_last = True
             # decrease needs no proof of load: cut below what was actually in flight
             self._set_limit(min(self._limit, max(w.inflight, 1.0)) * self.cfg.backoff)
             self._since_probe = 0
-        elif w.samples and w.saturated >= self.cfg.saturation:
+            self._last_cut = w.end
+        elif not bad and w.saturated >= self.cfg.saturation:
             self._steer(w)
         # else app-limited: hold — there is no evidence the engine takes more
 
@@ -184,11 +201,10 @@ class Knee(LimitController):
         self._ref_tokens = _blend(self._ref_tokens or None, w.output_tokens_mean, a) or 0.0
         self._forget(w.end)
         key = round(math.log(level) / math.log1p(self.cfg.bin_ratio))
-        old = self._curve.get(key)
-        moved = old is not None and abs(tput - old.throughput) > self.cfg.change * old.throughput
-        if moved:
+        near = self._nearest(level)
+        if near is not None and abs(tput - near.throughput) > self.cfg.change * near.throughput:
             self._curve.clear()  # the engine changed: the rest of the curve is stale
-            old = None
+        old = self._curve.get(key)
         if old is None:
             self._curve[key] = Point(level, tput, w.ttft_p90, w.tpot_p50, bad, w.end)
             return
@@ -199,9 +215,19 @@ class Knee(LimitController):
         old.over_objective = bad
         old.at = w.end
 
+    def _nearest(self, level: float) -> Point | None:
+        """The stored point closest to `level`, if within two bins of it."""
+        best = min(self._curve.values(), key=lambda p: abs(p.concurrency - level), default=None)
+        if best is None or abs(best.concurrency - level) > 2 * self.cfg.bin_ratio * level:
+            return None
+        return best
+
     def _forget(self, now: float) -> None:
         for key in [k for k, p in self._curve.items() if now - p.at > self.cfg.memory]:
             del self._curve[key]
+        for p in self._curve.values():
+            if now - p.at > self.cfg.objective_memory:
+                p.over_objective = False  # old news: let probes look again
 
     # --- the knee and the limit -----------------------------------------------------------
 

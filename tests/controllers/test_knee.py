@@ -8,7 +8,9 @@ from controllers import Knee, KneeConfig, Outcome
 
 
 def make(**cfg: object) -> Knee:
-    return Knee(KneeConfig(**{"initial": 16, **cfg}))
+    return Knee(
+        KneeConfig(**{"initial": 16, "window": 5.0, "probe_step": 0.25, "change": 0.25, **cfg})
+    )
 
 
 def test_climbs_while_rising_then_holds_headroom_below_the_knee() -> None:
@@ -63,8 +65,11 @@ def test_drop_and_distress_back_off() -> None:
     assert ctl.limit == 14
     ctl.on_engine_stats(scrape(5.0, waiting=2))
     ctl.on_engine_stats(scrape(6.0, waiting=3))
-    window(ctl, 6.0, 16, 400.0)
-    assert ctl.limit == 12  # 14.4 * 0.9 = 12.96
+    t = window(ctl, 6.0, 16, 400.0)
+    assert ctl.limit == 14  # distress right after a cut: the engine is still draining
+    ctl.on_engine_stats(scrape(t, waiting=4))
+    window(ctl, t, 16, 400.0)
+    assert ctl.limit == 12  # still distressed a window later: 14.4 * 0.9 = 12.96
 
 
 def test_cancellation_is_no_sample() -> None:

@@ -1,0 +1,619 @@
+"""Controllers against the engine core in virtual time, over named scenarios.
+
+One deterministic loop per run: a seeded arrival process offers requests to the
+gateway's own admission queue (`gateway.admission.AdmissionQueue`, one per gateway);
+admitted requests go into one shared `EngineCore`; the virtual clock advances by each
+step's duration; every `tick` seconds each gateway's controller gets `on_tick(now,
+in-flight)`; the engine is scraped every second and the scrape reaches the controllers
+`scrape_lag` seconds later, as a real /metrics scraper's would. No sleeps: a run of
+minutes of virtual time takes about a second.
+
+TTFT here is what the gateway measures and what the controller sees: dispatch to first
+token (the engine's queue included, the gateway's queue not: that wait is the queue
+policy's, bounded by each class's `max_wait`). Goodput is the output tokens/s of requests
+that met their class's TTFT and TPOT objectives, measured after `warmup`.
+
+The oracle of a scenario is the best fixed limit, found by sweeping fixed limits in this
+same simulator; its goodput is the denominator of every ratio printed.
+
+    python -m benchmarks.simulate --scenario all --controllers knee,aimd,gradient \
+        --seed 7 --out out/sim
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from benchmarks.engine.core import EngineCore, EngineRequest
+from benchmarks.engine.profiles import Profile, load_profile
+from benchmarks.engine.virtual import closed_loop
+from benchmarks.sweep import find_knee
+from controllers.base import EngineStats, LimitController, Outcome, Sample
+from controllers.registry import build_controller
+from gateway.admission import AdmissionQueue, Admitted, ClassPolicy, Queued, Ticket, UpstreamState
+
+__all__ = ["Result", "Scenario", "load_scenario", "run", "scenario_names", "true_knee"]
+
+SCENARIOS = Path(__file__).with_name("scenarios")
+
+# --- scenarios (data files) ---------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Burst(_Strict):
+    on_s: float = Field(gt=0, description="seconds of arrivals")
+    off_s: float = Field(gt=0, description="seconds of silence")
+
+
+class Phase(_Strict):
+    """From `at` on; fields left out keep the previous phase's value."""
+
+    at: float = Field(0.0, ge=0)
+    load: float | None = Field(None, ge=0, description="arrival rate, x the knee's request rate")
+    slowdown: float | None = Field(None, gt=0, description="engine step-time multiplier")
+    prompt_scale: float | None = Field(None, gt=0, description="prompt length multiplier")
+    burst: Burst | None = None
+
+
+class TrafficClass(_Strict):
+    name: str = "default"
+    share: float = Field(1.0, gt=0, description="fraction of arrivals")
+    priority: int = 0
+    max_wait: float = Field(5.0, gt=0, description="seconds in the gateway queue before 503")
+    ttft: float | None = Field(None, gt=0, description="TTFT objective; default the scenario's")
+    tpot: float | None = Field(None, gt=0, description="TPOT objective; default the scenario's")
+
+
+class Scenario(_Strict):
+    name: str
+    description: str = ""
+    profile: str
+    profile_overrides: dict[str, Any] = Field(default_factory=dict)
+    duration: float = Field(180.0, gt=0)
+    warmup: float = Field(30.0, ge=0)
+    prompt_tokens: int = Field(512, ge=1)
+    output_tokens: int = Field(256, ge=2)
+    ttft: float = Field(2.0, gt=0, description="TTFT objective, seconds")
+    tpot: float = Field(0.15, gt=0, description="TPOT objective, seconds")
+    classes: list[TrafficClass] = Field(default_factory=lambda: [TrafficClass()])
+    max_queue: int = Field(256, ge=1)
+    gateways: int = Field(1, ge=1, le=16)
+    phases: list[Phase] = Field(default_factory=lambda: [Phase(load=3.0)])
+    controller_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    oracle_limits: list[int] | None = None
+
+    @property
+    def changes(self) -> list[float]:
+        return [p.at for p in self.phases if p.at > 0 and (p.slowdown or p.prompt_scale)]
+
+
+def scenario_names() -> list[str]:
+    return sorted(p.stem for p in SCENARIOS.glob("*.yaml"))
+
+
+def load_scenario(name: str) -> Scenario:
+    path = SCENARIOS / f"{name}.yaml"
+    if not path.exists():
+        raise SystemExit(f"unknown scenario {name!r}; choose one of {scenario_names()} or 'all'")
+    return Scenario(**yaml.safe_load(path.read_text()))
+
+
+# --- the true knee (closed-loop sweep, the operator's 5% rule) -----------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _sweep(profile: Profile, prompt: int, out: int) -> tuple[tuple[int, float], ...]:
+    levels, c = [], 4
+    while c <= min(profile.engine.max_num_seqs * 2, 2048):
+        levels.append(c)
+        c = max(c + 1, round(c * 1.2))
+    rows: list[tuple[int, float]] = []
+    for c in levels:
+        r = closed_loop(lambda: EngineCore(profile, seed=0), c, 60.0, prompt, out, warmup=20.0)
+        rows.append((c, r.throughput))
+        k = find_knee([c for c, _ in rows], [x for _, x in rows])
+        if k.index is not None and len(rows) >= k.index + 4:
+            break  # three levels past the knee: enough to be sure of it
+    return tuple(rows)
+
+
+def true_knee(profile: Profile, prompt: int, out: int) -> tuple[int, float]:
+    """(knee concurrency, its tokens/s) by the 5% rule over 20%-steps of a closed loop."""
+    rows = _sweep(profile, prompt, out)
+    k = find_knee([c for c, _ in rows], [x for _, x in rows])
+    level = k.level if k.level is not None else k.peak_level
+    return level, dict(rows)[level]
+
+
+# --- one run ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Req:
+    id: str
+    cls: str
+    gateway: int
+    arrived: float
+    prompt: int
+    out: int
+    dispatched: float = math.nan
+    inflight_at_admit: int = 0
+    first: float = math.nan
+    done: float = math.nan
+    tokens: int = 0
+    fate: str = "pending"  # pending | done | shed | timeout
+
+
+@dataclass
+class Result:
+    """One controller over one scenario, with its time series for the plots."""
+
+    scenario: str
+    controller: str
+    requests: list[_Req]
+    times: list[float] = field(default_factory=list)
+    limits: list[int] = field(default_factory=list)  # summed over gateways
+    inflight: list[int] = field(default_factory=list)
+    knee: list[float] = field(default_factory=list)
+
+
+def _arrivals(sc: Scenario, rate_unit: float, seed: int) -> list[tuple[float, str, int, int]]:
+    """(time, class, prompt, output) for the whole run; lengths uniform in [0.5, 1.5] x mean."""
+    rng = random.Random(seed)
+    shares = [c.share for c in sc.classes]
+    out: list[tuple[float, str, int, int]] = []
+    t, state = 0.0, {"load": 0.0, "prompt_scale": 1.0}
+    bounds = [p.at for p in sc.phases[1:]] + [sc.duration]
+    for phase, end in zip(sc.phases, bounds, strict=True):
+        state["load"] = phase.load if phase.load is not None else state["load"]
+        state["prompt_scale"] = phase.prompt_scale or state["prompt_scale"]
+        rate = state["load"] * rate_unit
+        t = max(t, phase.at)
+        while rate > 0:
+            t += rng.expovariate(rate)
+            if t >= end:
+                t = end
+                break
+            if (
+                phase.burst
+                and (t - phase.at) % (phase.burst.on_s + phase.burst.off_s) > phase.burst.on_s
+            ):
+                continue  # the off part of an on/off cycle
+            cls = rng.choices(sc.classes, weights=shares)[0].name
+            prompt = max(1, round(sc.prompt_tokens * state["prompt_scale"] * rng.uniform(0.5, 1.5)))
+            outn = max(2, round(sc.output_tokens * rng.uniform(0.5, 1.5)))
+            out.append((t, cls, prompt, outn))
+    return out
+
+
+def _controller(sc: Scenario, spec: str, limit: int | None) -> LimitController:
+    """`spec` is a registry name, optionally with overrides: `knee:headroom=0.95:window=10`."""
+    name, *pairs = spec.split(":")
+    params: dict[str, Any] = {
+        "ttft_objective": min(c.ttft or sc.ttft for c in sc.classes),
+        "tpot_objective": min(c.tpot or sc.tpot for c in sc.classes),
+    }
+    if name == "fixed":
+        assert limit is not None
+        params.update(initial=limit, max_limit=max(limit, 1024))
+    params.update(sc.controller_params.get(name, {}))
+    params.update({k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in pairs)})
+    return build_controller(name, params)
+
+
+class _Sim:
+    """The loop's state. `run()` is the only entry point."""
+
+    TICK = 0.5
+    SCRAPE = 1.0
+    SCRAPE_LAG = 1.5
+
+    def __init__(self, sc: Scenario, ctl: str, seed: int, limit: int | None) -> None:
+        self.sc = sc
+        self.profile = load_profile(sc.profile, **sc.profile_overrides)
+        self.core = EngineCore(self.profile, seed=seed)
+        _knee, tput = true_knee(self.profile, sc.prompt_tokens, sc.output_tokens)
+        self.arrivals = _arrivals(sc, tput / sc.output_tokens, seed)
+        each = None if limit is None else max(1, round(limit / sc.gateways))
+        self.ctls = [_controller(sc, ctl, each) for _ in range(sc.gateways)]
+        policies = {c.name: ClassPolicy(c.name, c.priority, c.max_wait) for c in sc.classes}
+        self.ups = [UpstreamState(f"gw{i}", c) for i, c in enumerate(self.ctls)]
+        self.queues = [AdmissionQueue([u], policies, sc.max_queue) for u in self.ups]
+        self.reqs: dict[str, _Req] = {}
+        self.all: list[_Req] = []
+        self.result = Result(sc.name, ctl if limit is None else f"fixed@{limit}", self.all)
+        self.scrapes: list[tuple[float, EngineStats]] = []
+
+    def run(self) -> Result:
+        sc, now, i = self.sc, 0.0, 0
+        next_tick, next_scrape = 0.0, 0.0
+        phases = sorted(sc.phases, key=lambda p: p.at)
+        while now < sc.duration:
+            for p in phases:
+                if p.at <= now and p.slowdown is not None:
+                    self.core.slowdown = p.slowdown
+            # what happened during the last step, in time order
+            while True:
+                t_arr = self.arrivals[i][0] if i < len(self.arrivals) else math.inf
+                t_stat = self.scrapes[0][0] if self.scrapes else math.inf
+                t = min(t_arr, next_tick, t_stat)
+                if t > now:
+                    break
+                if t == t_arr:
+                    self._arrive(self.arrivals[i], i)
+                    i += 1
+                elif t == next_tick:
+                    self._tick(t)
+                    next_tick += self.TICK
+                else:
+                    _, st = self.scrapes.pop(0)
+                    for c in self.ctls:
+                        c.on_engine_stats(st)
+            if now >= next_scrape:
+                self._scrape(now)
+                next_scrape += self.SCRAPE
+            if self.core.has_unfinished():
+                step = self.core.step()
+                now += step.duration
+                self._events(step.events, now)
+            else:  # idle: jump to the next thing that happens
+                nxt = self.arrivals[i][0] if i < len(self.arrivals) else sc.duration
+                now = max(now, min(nxt, next_tick, next_scrape))
+        return self.result
+
+    def _scrape(self, now: float) -> None:
+        s = self.core.stats()
+        st = EngineStats(
+            now,
+            s.running,
+            s.waiting,
+            s.kv_cache_usage,
+            s.num_preemptions_total,
+            s.generation_tokens_total,
+        )
+        self.scrapes.append((now + self.SCRAPE_LAG, st))
+
+    def _arrive(self, a: tuple[float, str, int, int], n: int) -> None:
+        t, cls, prompt, out = a
+        gw = n % self.sc.gateways
+        r = _Req(f"r{n}", cls, gw, t, prompt, out)
+        self.all.append(r)
+        ticket = Ticket(cls, t, payload=r)
+        verdict = self.queues[gw].offer(ticket, t)
+        if isinstance(verdict, Admitted):
+            self._dispatch(ticket, t)
+        elif not isinstance(verdict, Queued):
+            r.fate = "shed"
+
+    def _dispatch(self, ticket: Ticket, now: float) -> None:
+        r: _Req = ticket.payload
+        r.dispatched = now
+        r.inflight_at_admit = ticket.inflight_at_admit
+        self.reqs[r.id] = r
+        self.core.add_request(EngineRequest(r.id, r.prompt, r.out, ignore_eos=True))
+
+    def _tick(self, now: float) -> None:
+        knee = 0.0
+        for q, up in zip(self.queues, self.ups, strict=True):
+            up.controller.on_tick(now, up.inflight)
+            for ticket in q.expire(now):
+                ticket.payload.fate = "timeout"
+            for ticket in q.pump(now):
+                self._dispatch(ticket, now)
+            knee += getattr(up.controller, "knee_estimate", None) or 0.0
+        res = self.result
+        res.times.append(now)
+        res.limits.append(sum(u.controller.limit for u in self.ups))
+        res.inflight.append(sum(u.inflight for u in self.ups))
+        res.knee.append(knee / len(self.ups))
+
+    def _events(self, events: Sequence[Any], now: float) -> None:
+        for ev in events:
+            r = self.reqs[ev.request_id]
+            r.tokens += ev.new_tokens
+            if ev.first:
+                r.first = now
+            if ev.finished is None:
+                continue
+            del self.reqs[r.id]
+            r.done, r.fate = now, "done"
+            up, q = self.ups[r.gateway], self.queues[r.gateway]
+            up.controller.on_sample(
+                Sample(
+                    r.dispatched,
+                    now - r.dispatched,
+                    r.first - r.dispatched,
+                    r.prompt,
+                    r.tokens,
+                    r.inflight_at_admit,
+                    Outcome.OK,
+                )
+            )
+            for ticket in q.release(up, now):
+                self._dispatch(ticket, now)
+
+
+def run(sc: Scenario, controller: str, seed: int = 7, limit: int | None = None) -> Result:
+    """One controller (or `fixed` at `limit`, total over the gateways) over one scenario."""
+    return _Sim(sc, controller, seed, limit).run()
+
+
+# --- judging ---------------------------------------------------------------------------------
+
+
+def _objectives(sc: Scenario) -> dict[str, tuple[float, float]]:
+    return {c.name: (c.ttft or sc.ttft, c.tpot or sc.tpot) for c in sc.classes}
+
+
+def _good(sc: Scenario, r: _Req, obj: dict[str, tuple[float, float]]) -> bool:
+    if r.fate != "done":
+        return False
+    ttft, tpot = obj[r.cls]
+    per_token = (r.done - r.first) / (r.tokens - 1) if r.tokens > 1 else 0.0
+    return r.first - r.dispatched <= ttft and per_token <= tpot
+
+
+def goodput(res: Result, sc: Scenario, start: float, end: float) -> float:
+    """Tokens/s emitted in [start, end) by requests that met their objectives (spread evenly)."""
+    obj, tokens = _objectives(sc), 0.0
+    for r in res.requests:
+        if not _good(sc, r, obj):
+            continue
+        span = max(r.done - r.first, 1e-9)
+        overlap = max(0.0, min(end, r.done) - max(start, r.first))
+        tokens += r.tokens * overlap / span
+    return tokens / max(end - start, 1e-9)
+
+
+def goodput_series(res: Result, sc: Scenario, step: float = 1.0) -> list[float]:
+    n = math.ceil(sc.duration / step)
+    bins = [0.0] * n
+    obj = _objectives(sc)
+    for r in res.requests:
+        if not _good(sc, r, obj):
+            continue
+        rate = r.tokens / max(r.done - r.first, 1e-9)
+        t = r.first
+        while t < r.done:
+            b = int(t // step)
+            if b >= n:
+                break
+            nxt = min(r.done, (b + 1) * step)
+            bins[b] += rate * (nxt - t)
+            t = nxt
+    return [x / step for x in bins]
+
+
+def _segments(sc: Scenario) -> list[tuple[float, float]]:
+    cuts = [0.0, *sc.changes, sc.duration]
+    return [(max(a, sc.warmup if a == 0 else a), b) for a, b in itertools.pairwise(cuts)]
+
+
+@dataclass
+class Oracle:
+    limit: int
+    goodput: float
+    runs: dict[int, Result]
+    segment_best: list[int]  # best fixed limit per segment between changes
+
+
+def oracle(sc: Scenario, seed: int) -> Oracle:
+    profile = load_profile(sc.profile, **sc.profile_overrides)
+    knee, _ = true_knee(profile, sc.prompt_tokens, sc.output_tokens)
+    limits = sc.oracle_limits or sorted(
+        {
+            max(1, round(knee * f))
+            for f in (0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.15, 1.3, 1.6, 2.0)
+        }
+    )
+    runs = {lim: run(sc, "fixed", seed, lim) for lim in limits}
+    score = {lim: goodput(r, sc, sc.warmup, sc.duration) for lim, r in runs.items()}
+    best = max(score, key=lambda k: score[k])
+    seg_best = [max(runs, key=lambda k: goodput(runs[k], sc, a, b)) for a, b in _segments(sc)]
+    return Oracle(best, score[best], runs, seg_best)
+
+
+def settle_time(res: Result, orc: Oracle, sc: Scenario) -> float | None:
+    """Worst, over the changes, of the time until goodput stays within 10% of the new oracle.
+
+    Both series are 10 s moving averages of goodput; 'within' means at least 0.9 x the
+    segment's best fixed limit's. None when the scenario has no change; inf if it never does.
+    """
+    if not sc.changes:
+        return None
+    mine = _smooth(goodput_series(res, sc))
+    worst = 0.0
+    for (a, b), best in zip(_segments(sc)[1:], orc.segment_best[1:], strict=True):
+        ref = _smooth(goodput_series(orc.runs[best], sc))
+        settled, end = math.inf, int(b) - 5  # the last 5 s of a segment see the next change
+        for t in range(int(a), end):
+            if all(mine[u] >= 0.9 * ref[u] for u in range(t, end)):
+                settled = t - a
+                break
+        worst = max(worst, settled)
+    return worst
+
+
+def _smooth(xs: list[float], k: int = 10) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x - (xs[i - k] if i >= k else 0.0)
+        out.append(acc / min(i + 1, k))
+    # centre the window so a step is not reported late by half its width
+    return out[k // 2 :] + [out[-1]] * (k // 2)
+
+
+@dataclass
+class Row:
+    scenario: str
+    controller: str
+    ratio: float
+    ttft_p50: float
+    ttft_p99: float
+    shed: float
+    timeout: float
+    settle: float | None
+    oscillation: float
+    mean_inflight: float
+
+
+def judge(res: Result, orc: Oracle, sc: Scenario) -> Row:
+    reqs = res.requests
+    n = max(1, len(reqs))
+    ttfts = sorted(
+        r.first - r.dispatched for r in reqs if r.fate == "done" and r.arrived >= sc.warmup
+    )
+    steady = [x for t, x in zip(res.times, res.limits, strict=True) if t >= sc.warmup]
+    inflight = [x for t, x in zip(res.times, res.inflight, strict=True) if t >= sc.warmup]
+    mean = statistics.fmean(steady) if steady else 0.0
+    return Row(
+        scenario=sc.name,
+        controller=res.controller,
+        ratio=goodput(res, sc, sc.warmup, sc.duration) / max(orc.goodput, 1e-9),
+        ttft_p50=_q(ttfts, 0.5),
+        ttft_p99=_q(ttfts, 0.99),
+        shed=sum(r.fate == "shed" for r in reqs) / n,
+        timeout=sum(r.fate == "timeout" for r in reqs) / n,
+        settle=settle_time(res, orc, sc),
+        oscillation=statistics.pstdev(steady) / mean if mean > 0 else 0.0,
+        mean_inflight=statistics.fmean(inflight) if inflight else 0.0,
+    )
+
+
+def _q(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else math.nan
+
+
+# --- output ----------------------------------------------------------------------------------
+
+HEADER = (
+    f"{'scenario':<22} {'controller':<28} {'goodput/oracle':>14} {'ttft p50':>8} {'ttft p99':>8} "
+    f"{'shed':>6} {'t/out':>6} {'settle s':>8} {'osc':>5} {'inflight':>8}"
+)
+
+
+def fmt(row: Row) -> str:
+    settle = (
+        "-" if row.settle is None else ("never" if math.isinf(row.settle) else f"{row.settle:.0f}")
+    )
+    return (
+        f"{row.scenario:<22} {row.controller:<28} {row.ratio:>14.3f} {row.ttft_p50:>8.2f} "
+        f"{row.ttft_p99:>8.2f} {row.shed:>6.1%} {row.timeout:>6.1%} {settle:>8} "
+        f"{row.oscillation:>5.2f} {row.mean_inflight:>8.1f}"
+    )
+
+
+def plot(sc: Scenario, results: list[Result], orc: Oracle, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    best = orc.runs[orc.limit]
+    for res, style in [(best, "k--"), *((r, "-") for r in results)]:
+        label = res.controller
+        axes[0].plot(res.times, res.limits, style, label=label, lw=1)
+        axes[1].plot(res.times, res.inflight, style, label=label, lw=1)
+        g = _smooth(goodput_series(res, sc), 5)
+        axes[2].plot(range(len(g)), g, style, label=label, lw=1)
+        t, p90 = _ttft_series(res, sc)
+        axes[3].plot(t, p90, style, label=label, lw=1)
+    for ax, title in zip(
+        axes,
+        [
+            "limit (sum over gateways)",
+            "in-flight",
+            "goodput, tok/s (5 s avg)",
+            "TTFT p90 of admitted, s (5 s bins)",
+        ],
+        strict=True,
+    ):
+        ax.set_title(title, fontsize=9)
+        for c in sc.changes:
+            ax.axvline(c, color="grey", lw=0.5)
+    axes[3].axhline(min(c.ttft or sc.ttft for c in sc.classes), color="red", lw=0.5)
+    axes[0].legend(fontsize=8, loc="upper right")
+    axes[3].set_xlabel("virtual seconds")
+    fig.suptitle(f"{sc.name}: {sc.description}", fontsize=10)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{sc.name}.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _ttft_series(res: Result, sc: Scenario, step: float = 5.0) -> tuple[list[float], list[float]]:
+    bins: dict[int, list[float]] = {}
+    for r in res.requests:
+        if r.fate == "done":
+            bins.setdefault(int(r.first // step), []).append(r.first - r.dispatched)
+    keys = sorted(bins)
+    return [k * step for k in keys], [_q(sorted(bins[k]), 0.9) for k in keys]
+
+
+def simulate(sc: Scenario, controllers: list[str], seed: int, out: Path | None) -> list[Row]:
+    orc = oracle(sc, seed)
+    results = [run(sc, c, seed) for c in controllers]
+    rows = [judge(r, orc, sc) for r in results]
+    rows.append(judge(orc.runs[orc.limit], orc, sc))
+    if sc.gateways > 1:
+        one = sc.model_copy(update={"gateways": 1})
+        for row, c in zip(rows, controllers, strict=False):
+            single = judge(run(one, c, seed), orc, one)
+            row.controller += f" ({row.mean_inflight / max(single.mean_inflight, 1e-9):.2f}x1)"
+    if out is not None:
+        plot(sc, results, orc, out)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.simulate", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--scenario", default="all", help=f"one of {scenario_names()} or 'all'")
+    ap.add_argument("--controllers", default="knee,aimd,gradient")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None, help="folder for one PNG per scenario")
+    args = ap.parse_args(argv)
+    names = scenario_names() if args.scenario == "all" else args.scenario.split(",")
+    controllers = [c for c in args.controllers.split(",") if c]
+    print(HEADER)
+    totals: dict[str, float] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        sc = load_scenario(name)
+        rows = simulate(sc, controllers, args.seed, args.out)
+        for row in rows:
+            print(fmt(row))
+            key = row.controller.split(" ")[0]
+            if not key.startswith("fixed"):
+                totals[key] = totals.get(key, 0.0) + row.ratio
+        print(f"# {name}: {time.perf_counter() - t0:.1f} s wall", file=sys.stderr, flush=True)
+    print(
+        "total goodput/oracle over the suite: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in totals.items())
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
