@@ -222,10 +222,10 @@ class Proxy:
         tap: Tap | None = None
         outcome = Outcome.CLIENT_CANCELLED  # what a cancellation leaves behind
         try:
-            url = permit.upstream.url + _target(scope)
-            resp = await self.client.open(scope["method"], url, headers, body)
+            base = permit.upstream.url
+            resp = await self.client.open(scope["method"], base, _target(scope), headers, body)
             tap = Tap(self.clock, _is_sse(resp.headers))
-            with upstream_errors(permit.upstream.url):
+            with upstream_errors(base):
                 await self._relay(ex, resp, tap, send, rid)
             outcome = _outcome_for_status(resp.status)
         except UpstreamError as exc:
@@ -238,19 +238,18 @@ class Proxy:
                 outcome = ex.aborted
             permit.finish(outcome, self._sample(permit, outcome, tap))
             if resp is not None:
-                resp.release() if outcome is Outcome.OK and ex.finished else resp.close()
+                resp.release() if ex.finished else resp.close()
 
     async def _relay(
         self, ex: Exchange, resp: UpstreamResponse, tap: Tap, send: Send, rid: bytes
     ) -> None:
-        headers = [(k.lower(), v) for k, v in resp.headers]
-        headers = [h for h in headers if h[0] not in _RESPONSE_DROP]
+        headers = [h for h in resp.headers if h[0] not in _RESPONSE_DROP]
         if not any(k == b"x-request-id" for k, _ in headers):
             headers.append((b"x-request-id", rid))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         ex.started = True
-        feed = tap.feed
-        async for chunk in resp.chunks():
+        feed, read = tap.feed, resp.read
+        while chunk := await read():
             ex.chunks += 1
             feed(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -299,7 +298,7 @@ def _target(scope: Scope) -> str:
 
 def _is_sse(headers: Sequence[tuple[bytes, bytes]]) -> bool:
     for k, v in headers:
-        if k.lower() == b"content-type":
+        if k == b"content-type":
             return v.startswith(b"text/event-stream")
     return False
 

@@ -1,124 +1,307 @@
-"""The HTTP client that talks to engines. The one module that knows which library it is.
+"""The HTTP client that talks to engines: lean HTTP/1.1 on asyncio protocols + httptools.
 
-aiohttp, not httpx: measured on this kind of machine (issue 3), a proxy on httpx's own
-transport relayed 32 of 192 offered requests/s at 256 concurrent streams, because
-httpcore's pool does work growing with the square of its size at every request start and
-release; on aiohttp it kept up. aiohttp's `iter_any()` also hands over everything already
-buffered as one chunk, so a busy relay writes fewer, larger frames instead of one per
-upstream read. Swapping libraries means rewriting this module only: the rest of the
-gateway sees `UpstreamClient.open()` -> `UpstreamResponse` and the errors in
-`gateway.errors`.
+Why not a general client library. Measured for issue 3 on this kind of machine: a proxy
+on httpx's own transport relayed 32 of 192 offered requests/s at 256 concurrent streams
+(httpcore's pool does work growing with the square of its size at each request start and
+release); on aiohttp's client it kept up at 256, but at 1024 realistic streams (~50k
+events/s) a kneegate built on aiohttp reached 0.55x direct at 100% of its core (measured
+with `python -m benchmarks.overhead --shapes realistic --concurrency 1024`), and
+profiling showed about a third of the time in aiohttp's per-chunk stream machinery. What
+a relay needs is small: write one request, parse the response with httptools' C parser,
+hand over whatever body bytes are buffered as one chunk, keep connections alive. That is
+this module, and the only module that knows it: the rest of the gateway sees
+`UpstreamClient.open()` -> `UpstreamResponse` and the errors of `gateway.errors`.
 
-Timeouts: the connector has no connection cap (`limit=0`): admission is the only cap.
-Only `connect` is enforced here; first-byte and idle deadlines are checked by the proxy's
-sweeper at tick granularity, which costs nothing per chunk.
+There is no connection cap (admission is the only cap) and only `connect` is timed here;
+first-byte and idle deadlines are checked by the proxy's sweeper at tick granularity, so a
+chunk costs no timer. A request that fails on a reused keep-alive connection before any
+byte of response arrived is retried once on a new connection (the engine closed it idle).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+import asyncio
+import ssl
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from urllib.parse import urlsplit
 
-import aiohttp
-from yarl import URL
+import httptools
 
 from gateway.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 
 __all__ = ["UpstreamClient", "UpstreamResponse", "upstream_errors"]
 
+Origin = tuple[str, int, bool]  # host, port, TLS
+_HIGH_WATER = 1 << 20  # buffered body bytes before we stop reading the engine's socket
+
 
 @contextmanager
 def upstream_errors(url: str) -> Iterator[None]:
-    """Map the client library's exceptions to UpstreamTimeout / UpstreamError."""
+    """Map transport-level exceptions to UpstreamTimeout / UpstreamError."""
     try:
         yield
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(f"upstream {url} timed out: {exc or 'no answer'}") from exc
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamConnectError(f"cannot connect to upstream {url}: {exc.os_error}") from exc
-    except (aiohttp.ClientError, OSError) as exc:
+    except TimeoutError as exc:
+        raise UpstreamTimeout(f"upstream {url} timed out") from exc
+    except (OSError, httptools.HttpParserError) as exc:
         raise UpstreamError(f"upstream {url} failed: {exc!r}") from exc
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to an engine; parses one response at a time."""
+
+    def __init__(self, client: UpstreamClient, key: Origin) -> None:
+        self.client, self.key = client, key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.buf: list[bytes] = []
+        self.buffered = 0
+        self.got_headers = False
+        self.got_bytes = False
+        self.done = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.head_only = False
+        self.framed = False  # Content-Length or chunked: else the body ends at EOF
+        self.reusable = False
+
+    # --- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.error = exc
+            self.close()
+        if self.buffered > _HIGH_WATER and self.transport is not None:
+            self.transport.pause_reading()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.got_headers and not self.framed and exc is None:
+            self.done = True
+        if not self.done and self.error is None:
+            self.error = exc or ConnectionResetError("upstream closed the connection")
+        self._wake()
+
+    # --- httptools callbacks ---------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.got_headers = True
+        self.framed = any(k in (b"content-length", b"transfer-encoding") for k, _ in self.headers)
+        if self.head_only:
+            self.done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.buf.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self.reusable = self.parser.should_keep_alive()  # only true inside this callback
+
+    # --- the reader's side -----------------------------------------------------------
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    async def read_head(self) -> None:
+        while not self.got_headers:
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    async def read(self) -> bytes:
+        """The body bytes buffered so far, waiting for some; b"" at the end."""
+        while not self.buf:
+            if self.done:
+                return b""
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+        buf = self.buf
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        buf.clear()
+        if self.buffered > _HIGH_WATER and self.transport is not None:
+            self.transport.resume_reading()
+        self.buffered = 0
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def finish(self) -> None:
+        """Response fully read: back to the pool if the connection can be reused."""
+        if self.done and self.reusable and not self.closed and not self.head_only:
+            self._reset()
+            self.client._idle.setdefault(self.key, []).append(self)
+        else:
+            self.close()
 
 
 class UpstreamResponse:
     """An upstream response whose body has not been read yet."""
 
-    __slots__ = ("_resp", "headers", "status")
+    __slots__ = ("_conn", "headers", "read", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self.status: int = resp.status
-        self.headers: Sequence[tuple[bytes, bytes]] = resp.raw_headers
+    def __init__(self, conn: _Conn) -> None:
+        self._conn = conn
+        self.status: int = conn.status
+        self.headers: list[tuple[bytes, bytes]] = conn.headers  # names lower-case
+        # Body bytes as they arrive, what is buffered as one chunk; b"" at the end.
+        self.read: Callable[[], Awaitable[bytes]] = conn.read
 
-    def chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive; what is already buffered comes as one chunk."""
-        return self._resp.content.iter_any()
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read():
+            parts.append(chunk)
+        return b"".join(parts)
 
     def close(self) -> None:
         """Drop the connection now (the engine sees the disconnect and aborts). Sync."""
-        self._resp.close()
+        self._conn.close()
 
     def release(self) -> None:
-        """Return a fully read connection to the pool."""
-        self._resp.release()
+        """Return a fully read connection to the pool (closes it otherwise)."""
+        self._conn.finish()
+
+
+def _origin(base: str) -> tuple[Origin, str]:
+    parts = urlsplit(base)
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    return (parts.hostname or "localhost", port, tls), parts.netloc
 
 
 class UpstreamClient:
-    """One pooled client for all upstreams, built at start-up."""
+    """Keep-alive connections to every upstream, no cap, built at start-up."""
 
-    def __init__(self, connect_timeout: float, max_connections: int = 0) -> None:
-        self._connect_timeout = connect_timeout
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-        self._timeout = self._make_timeout(connect_timeout)
-
-    @staticmethod
-    def _make_timeout(connect: float) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect, sock_read=None)
+    def __init__(self, connect_timeout: float) -> None:
+        self.connect_timeout = connect_timeout
+        self._idle: dict[Origin, list[_Conn]] = {}
+        self._origins: dict[str, tuple[Origin, str]] = {}
+        self._ssl: ssl.SSLContext | None = None
 
     def set_connect_timeout(self, seconds: float) -> None:
-        self._timeout = self._make_timeout(seconds)
+        self.connect_timeout = seconds
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=self._max_connections, limit_per_host=0, ttl_dns_cache=300, force_close=False
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,  # relay bytes as the engine sent them
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            timeout=self._timeout,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            raise_for_status=False,
-        )
+        pass
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for conns in self._idle.values():
+            for c in conns:
+                c.close()
+        self._idle.clear()
+
+    async def _connect(self, key: Origin) -> _Conn:
+        host, port, tls = key
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                transport, conn = await loop.create_connection(
+                    lambda: _Conn(self, key), host, port, ssl=self._ssl if tls else None)
+        except TimeoutError as exc:
+            raise UpstreamTimeout(
+                f"connect to upstream {host}:{port} timed out after {self.connect_timeout:g}s"
+            ) from exc
+        except OSError as exc:
+            raise UpstreamConnectError(
+                f"cannot connect to upstream {host}:{port}: {exc.strerror or exc}") from exc
+        conn.transport = transport  # uvloop may call connection_made only later
+        return conn
+
+    def _pooled(self, key: Origin) -> _Conn | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        return None
 
     async def open(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes
+        self, method: str, base: str, target: str, headers: list[tuple[str, str]], body: bytes
     ) -> UpstreamResponse:
-        """Send a request and return once the status line and headers arrived."""
-        assert self._session is not None, "UpstreamClient.start() was not awaited"
-        with upstream_errors(url):
-            resp = await self._session.request(
-                method,
-                URL(url, encoded=True),  # relay the path's bytes as the caller sent them
-                headers=headers,
-                data=body or None,
-                allow_redirects=False,
-                timeout=self._timeout,
-                compress=None,
-            )
-        return UpstreamResponse(resp)
+        """Send `method target` to the engine at `base`; return once its headers arrived.
+
+        `target` (path and query) is sent as it is, already percent-encoded; `headers`
+        must not include Host or Content-Length.
+        """
+        origin = self._origins.get(base)
+        if origin is None:
+            origin = self._origins[base] = _origin(base)
+        key, netloc = origin
+        url = base + target
+        head = [f"{method} {target} HTTP/1.1\r\nhost: {netloc}\r\n"]
+        head.extend(f"{k}: {v}\r\n" for k, v in headers)
+        if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            head.append(f"content-length: {len(body)}\r\n")
+        head.append("\r\n")
+        payload = "".join(head).encode("latin-1") + body
+        conn = self._pooled(key)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, method, payload, url)
+            except UpstreamError:
+                if conn.got_bytes:
+                    raise
+                # the engine closed this idle connection as we reused it: once more, fresh
+        return await self._exchange(await self._connect(key), method, payload, url)
+
+    async def _exchange(self, conn: _Conn, method: str, payload: bytes, url: str
+                        ) -> UpstreamResponse:
+        conn.head_only = method == "HEAD"
+        assert conn.transport is not None
+        try:
+            with upstream_errors(url):
+                conn.transport.write(payload)
+                await conn.read_head()
+        except BaseException:
+            conn.close()
+            raise
+        return UpstreamResponse(conn)
 
     async def get_text(self, url: str, timeout: float) -> tuple[int, str]:
         """A small GET for health probes and metric scrapes."""
-        assert self._session is not None, "UpstreamClient.start() was not awaited"
-        with upstream_errors(url):
-            async with self._session.get(
-                url, timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as resp:
-                return resp.status, await resp.text()
+        try:
+            async with asyncio.timeout(timeout):
+                parts = urlsplit(url)
+                target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
+                base = f"{parts.scheme}://{parts.netloc}"
+                resp = await self.open("GET", base, target, [("accept", "*/*")], b"")
+                try:
+                    with upstream_errors(url):
+                        body = await resp.read_all()
+                finally:
+                    resp.release()
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"GET {url} took longer than {timeout:g}s") from exc
+        return resp.status, body.decode("utf-8", "replace")

@@ -1,4 +1,4 @@
-"""Gateway tests run their async code on asyncio (uvloop is what `kneegate serve` uses)."""
+"""Gateway tests run their async code on uvloop, the loop `kneegate serve` runs on."""
 
 from __future__ import annotations
 
@@ -6,5 +6,5 @@ import pytest
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+def anyio_backend() -> tuple[str, dict[str, object]]:
+    return "asyncio", {"use_uvloop": True}
