@@ -83,7 +83,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
-    return int(run_demo(seconds=args.seconds, limit=args.limit, peak=args.peak))
+    return int(run_demo(seconds=args.seconds, limit=args.limit, peak=args.peak,
+                        controller=args.controller))
 
 
 def _lazy(module: str, func: str = "main") -> Callable[[list[str]], int]:
@@ -116,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seconds", type=float, default=40.0, help="length of the ramp")
     demo.add_argument("--limit", type=int, default=8, help="the gateway's fixed limit")
     demo.add_argument("--peak", type=int, default=48, help="concurrent clients at the top")
+    demo.add_argument("--controller", default="fixed", help="fixed, aimd, gradient, knee")
     demo.set_defaults(func=cmd_demo)
     for name in PASSTHROUGH:
         sub.add_parser(name, help=f"benchmarks: {name} (its own --help)", add_help=False)

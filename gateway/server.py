@@ -29,7 +29,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.config import GatewayConfig, split_for_worker
 
-__all__ = ["bind", "embedded_upstream", "run", "uvicorn_config"]
+__all__ = ["QuietServer", "bind", "embedded_upstream", "run", "uvicorn_config"]
 
 log = logging.getLogger("kneegate")
 
@@ -62,8 +62,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Quiet(uvicorn.Server):
-    """A second server in the same loop: leaves signal handling to the main one."""
+class QuietServer(uvicorn.Server):
+    """A server that leaves signal handling to its host (a second server, the demo)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -98,7 +98,7 @@ async def _serve_worker(
     engine: uvicorn.Server | None = None
     engine_task = None
     if engine_sock is not None:
-        engine = _Quiet(uvicorn_config(_emulator_app()))
+        engine = QuietServer(uvicorn_config(_emulator_app()))
         engine_task = asyncio.create_task(engine.serve(sockets=[engine_sock]))
     app = build_app(prepare(cfg), config_path=config_path, prepare=prepare)
     server = uvicorn.Server(uvicorn_config(app, log_level="info"))

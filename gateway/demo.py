@@ -1,0 +1,160 @@
+"""`kneegate demo`: the emulator, a gateway in front of it, and a load ramp past the knee.
+
+Everything runs in this process on loopback sockets: the emulator (`cpu-tiny` profile,
+loaded lazily from `benchmarks`), the gateway with the chosen controller, and closed-loop
+streaming clients whose number climbs step by step to `peak`. Rejected clients honour
+Retry-After (capped at 2 s). Once a second it prints what reached the engine (running and
+waiting, from the emulator's own /metrics) next to what the gateway held back (queued,
+shed with 429, timed out with 503). Bounded: `seconds` of wall time, `max_requests` in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.app import build_app
+from gateway.config import parse_config
+from gateway.server import QuietServer, bind, uvicorn_config
+from gateway.telemetry import parse_engine_metrics
+from gateway.upstream_client import UpstreamClient
+
+__all__ = ["run_demo"]
+
+_BODY = json.dumps({"model": "cpu-tiny", "prompt": "tell me a story " * 8,
+                    "max_tokens": 64, "stream": True}).encode()
+
+
+@dataclass
+class _Tally:
+    ok: int = 0
+    shed: int = 0
+    timed_out: int = 0
+    failed: int = 0
+    ttfts: list[float] = field(default_factory=list)
+
+    def take(self) -> _Tally:
+        out = _Tally(self.ok, self.shed, self.timed_out, self.failed, self.ttfts)
+        self.ok = self.shed = self.timed_out = self.failed = 0
+        self.ttfts = []
+        return out
+
+
+@contextlib.asynccontextmanager
+async def _serving(app: Any) -> AsyncIterator[str]:
+    server = QuietServer(uvicorn_config(app, log_level="error"))
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _client(client: UpstreamClient, gw: str, tally: _Tally, stop: asyncio.Event,
+                  budget: list[int]) -> None:
+    headers = [("content-type", "application/json")]
+    while not stop.is_set() and budget[0] > 0:
+        budget[0] -= 1
+        start = time.monotonic()
+        resp = await client.open("POST", gw, "/v1/completions", headers, _BODY)
+        first = await resp.read()
+        if resp.status != 200:
+            await resp.read_all()
+            resp.release()
+            tally.shed += resp.status == 429
+            tally.timed_out += resp.status == 503
+            tally.failed += resp.status not in (429, 503)
+            retry = dict(resp.headers).get(b"retry-after", b"1")
+            await asyncio.sleep(min(2.0, float(retry)))
+            continue
+        tally.ttfts.append(time.monotonic() - start)
+        while first:
+            first = await resp.read()
+        resp.release()
+        tally.ok += 1
+
+
+def _line(t: float, clients: int, engine: tuple[float, float], gw: dict[str, Any],
+          tally: _Tally) -> str:
+    ttft = sorted(tally.ttfts)
+    p50 = f"{ttft[len(ttft) // 2] * 1000:.0f}ms" if ttft else "-"
+    up = gw["upstreams"][0]
+    return (f"{t:5.0f}s {clients:7d} {engine[0]:7.0f} {engine[1]:7.0f} {up['limit']:7d}"
+            f" {up['in_flight']:8d} {gw['queue_total']:6d} {tally.ok:6d} {tally.shed:6d}"
+            f" {tally.timed_out:6d} {p50:>8}")
+
+
+_HEADER = (f"{'t':>6} {'clients':>7} {'running':>7} {'waiting':>7} {'limit':>7} "
+           f"{'inflight':>8} {'queued':>6} {'done':>6} {'429s':>6} {'503s':>6} {'ttft p50':>8}")
+
+
+async def _engine_load(client: UpstreamClient, up: str) -> tuple[float, float]:
+    _, text = await client.get_text(up + "/metrics", timeout=2)
+    stats = parse_engine_metrics(text, 0.0)
+    return (stats.running, stats.waiting) if stats else (float("nan"), float("nan"))
+
+
+async def _demo(seconds: float, limit: int, peak: int, controller: str,
+                max_requests: int) -> None:
+    from benchmarks.engine.server import build_app as build_engine
+
+    async with _serving(build_engine("cpu-tiny")) as up:
+        cfg = parse_config({
+            "upstreams": [{"name": "emulator", "url": up, "controller": controller,
+                           "params": {"initial": limit}}],
+            "max_queue": max(4, limit), "classes": {"default": {"max_wait": 3.0}}})
+        gateway = build_app(cfg)
+        async with _serving(gateway) as gw:
+            await _ramp(gw, up, gateway.gateway.status, seconds, peak, max_requests)
+
+
+async def _ramp(gw: str, up: str, status: Any, seconds: float, peak: int,
+                max_requests: int) -> None:
+    client = UpstreamClient(connect_timeout=5)
+    tally, stop, budget = _Tally(), asyncio.Event(), [max_requests]
+    steps = sorted({1, 2, 4, *range(8, peak + 1, 8), peak})
+    per_step = seconds / len(steps)
+    tasks: list[asyncio.Task[None]] = []
+    print("engine: running/waiting as the emulator reports them; gateway: limit, inflight, "
+          "queued; clients: done, shed (429), timed out (503) per second")
+    print(_HEADER)
+    start = time.monotonic()
+    try:
+        for n in steps:
+            while len(tasks) < n:
+                tasks.append(asyncio.create_task(_client(client, gw, tally, stop, budget)))
+            step_end = start + per_step * (steps.index(n) + 1)
+            while (now := time.monotonic()) < step_end:
+                await asyncio.sleep(min(1.0, step_end - now))
+                engine = await _engine_load(client, up)
+                print(_line(now - start, n, engine, status(), tally.take()), flush=True)
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+    print("the engine never held more than the gateway's limit; the rest waited in the "
+          "gateway's queue or were told when to retry")
+
+
+def run_demo(seconds: float = 40.0, limit: int = 8, peak: int = 48, controller: str = "fixed",
+             max_requests: int = 100_000) -> int:
+    """Run the demo in this process; returns an exit status."""
+    import uvloop
+
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(_demo(seconds, limit, peak, controller, max_requests))
+    return 0

@@ -1,0 +1,145 @@
+"""`kneegate serve` as a real process: flags, SIGHUP reload, workers, the embedded engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from gw_helpers import FakeEngine, serve
+
+from gateway.demo import run_demo
+
+pytestmark = pytest.mark.anyio
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def kneegate(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def until_up(client: httpx.AsyncClient, url: str, proc: subprocess.Popen[bytes]) -> None:
+    with anyio.fail_after(20):
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(proc.stdout.read().decode() if proc.stdout else "exited")
+            with contextlib.suppress(httpx.TransportError):
+                if (await client.get(url + "/health")).status_code == 200:
+                    return
+            await asyncio.sleep(0.05)
+
+
+async def limits(client: httpx.AsyncClient, url: str) -> list[int]:
+    status = (await client.get(url + "/kneegate/status")).json()
+    return [u["limit"] for u in status["upstreams"]]
+
+
+def write(path: Path, up: str, limit: int) -> None:
+    path.write_text(json.dumps({"upstreams": [
+        {"name": "e0", "url": up, "controller": "fixed", "params": {"initial": limit}}]}))
+
+
+@contextlib.asynccontextmanager
+async def engine() -> AsyncIterator[str]:
+    async with serve(FakeEngine()) as up:
+        yield up
+
+
+async def test_serve_flags_and_sighup_reload(tmp_path: Path) -> None:
+    cfg = tmp_path / "kneegate.yaml"
+    async with engine() as up, httpx.AsyncClient() as client:
+        write(cfg, up, 3)
+        with kneegate("--config", str(cfg)) as (proc, url):
+            await until_up(client, url, proc)
+            assert await limits(client, url) == [3]
+            r = await client.post(url + "/v1/completions", json={"max_tokens": 2})
+            assert r.status_code == 200
+            write(cfg, up, 5)
+            proc.send_signal(signal.SIGHUP)
+            with anyio.fail_after(5):
+                while await limits(client, url) != [5]:
+                    await asyncio.sleep(0.05)
+            cfg.write_text("upstreams: [{name: e0, url: nope}]")
+            proc.send_signal(signal.SIGHUP)
+            with anyio.fail_after(5):
+                while True:
+                    m = (await client.get(url + "/metrics")).text
+                    if 'kneegate_config_reloads_total{result="failed"} 1.0' in m:
+                        break
+                    await asyncio.sleep(0.05)
+            assert await limits(client, url) == [5]  # the bad file changed nothing
+        write(cfg, up, 3)  # a flag beats the file
+        with kneegate("--config", str(cfg), "--upstream", up, "--limit", "7") as (proc, url):
+            await until_up(client, url, proc)
+            assert await limits(client, url) == [7]
+
+
+async def test_two_workers_split_a_fixed_limit() -> None:
+    async with engine() as up, httpx.AsyncClient() as client:
+        with kneegate("--upstream", up, "--limit", "9", "--workers", "2") as (proc, url):
+            await until_up(client, url, proc)
+            seen: set[int] = set()
+            with anyio.fail_after(10):
+                while seen != {4, 5}:  # 9 = 5 + 4: each worker admits its share
+                    # a fresh connection each time, so the kernel spreads them over workers
+                    async with httpx.AsyncClient() as fresh:
+                        seen.update(await limits(fresh, url))
+            r = await client.post(url + "/v1/completions", json={"max_tokens": 2})
+            assert r.status_code == 200
+        assert proc.returncode == 0
+
+
+async def test_serve_without_upstream_embeds_the_emulator() -> None:
+    pytest.importorskip("benchmarks.engine.server")
+    async with httpx.AsyncClient(timeout=10) as client:
+        with kneegate() as (proc, url):
+            await until_up(client, url, proc)
+            status: dict[str, Any] = (await client.get(url + "/kneegate/status")).json()
+            assert [u["name"] for u in status["upstreams"]] == ["embedded"]
+            r = await client.post(url + "/v1/completions",
+                                  json={"model": "cpu-tiny", "prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_demo_runs_a_short_ramp(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("benchmarks.engine.server")
+    assert run_demo(seconds=2.0, limit=2, peak=4, max_requests=200) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.strip().endswith(("ms", "-"))]
+    assert "running" in out and "429s" in out and lines
+    assert all(int(ln.split()[2]) <= 2 for ln in lines)  # the engine never held more
+
+
+def test_python_dash_m_gateway_is_the_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "gateway", "--help"], capture_output=True,
+                         text=True, check=True, env={**os.environ})
+    assert "check-config" in out.stdout and "demo" in out.stdout
