@@ -426,6 +426,12 @@ def oracle(sc: Scenario, seed: int) -> Oracle:
     runs = {lim: run(sc, "fixed", seed, lim) for lim in limits}
     score = {lim: goodput(r, sc, sc.warmup, sc.duration) for lim, r in runs.items()}
     best = max(score, key=lambda k: score[k])
+    # a best at the top of the grid is no maximum yet: keep stepping up until one is found
+    while best == max(runs) and not sc.oracle_limits and best < 4096:
+        top = max(best + 1, round(best * 1.25))
+        runs[top] = run(sc, "fixed", seed, top)
+        score[top] = goodput(runs[top], sc, sc.warmup, sc.duration)
+        best = max(score, key=lambda k: score[k])
     seg_best = [max(runs, key=lambda k: goodput(runs[k], sc, a, b)) for a, b in _segments(sc)]
     return Oracle(best, score[best], runs, seg_best)
 

@@ -1,41 +1,43 @@
 """`knee`: learn the throughput-vs-concurrency curve from live traffic; hold just below its knee.
 
-Per window (closed on a tick; at least `window` seconds and `min_samples` samples) it
-records one point: (mean in-flight, output tokens/s, TTFT p90, TPOT p50). When the engine
-publishes its counters (`EngineStats.generation_tokens_total`) the point is the *engine's*
-(running + waiting, its tokens/s): instant, and shared by every gateway in front of it;
-otherwise it is this gateway's own, with throughput by Little's law,
-`inflight * sum(output_tokens) / sum(duration)`. Points are kept per concurrency level
-(bins `bin_ratio` wide, averaged with weight `smoothing`, forgotten after `memory` s).
+Per window (closed on a tick; at least `window` seconds and `min_samples` samples, or three
+engine scrapes) it records one point: (mean in-flight, output tokens/s, TTFT p90, TPOT p50).
+When the engine publishes its counters (`EngineStats.generation_tokens_total`) the point is
+the *engine's* (running + waiting, its tokens/s): instant, and shared by every gateway in
+front of it; otherwise it is this gateway's own, throughput by Little's law. Points are kept
+per level (bins `bin_ratio` wide, averaged with weight `smoothing`, forgotten after `memory`
+s). A window right after a move of the limit measures the move (a burst of prefills), and a
+window in which the engine queued measures the plateau at no level: neither becomes a point.
 
-The knee, from the curve sorted by concurrency:
-- decline: walking up, the curve ends at the first level whose throughput is `decline`
-  under the best seen so far, or whose Kleinrock power (throughput / latency, latency =
-  TTFT p90 + TPOT p50 x mean output tokens) is under `power_floor` x the best power so
-  far. What lies beyond — the false second peak after a preemption storm, where
-  per-request latency is already twice as bad — is never read.
-- the 5% rule: the knee is the lowest level whose throughput is within `step_gain` of
-  the best throughput on the kept curve (a step past it adds less than 5%).
-- covariance: when the recent windows at the limit show throughput falling as in-flight
-  rises (negative covariance), the limit steps down even before the curve says so.
+The knee is the lowest of:
+- room: what the engine holds — its running count when its queue never emptied in the
+  window or it preempted (it is full), else running / KV-cache use (when the KV cache
+  would be full). Falls at once, rises smoothed.
+- the curve's: the saturating model tput = a c / (1 + c/k) fitted by least squares as the
+  line c / tput = 1/a + c/(a k) (a slope within 3 standard errors of 0 is no bend); the
+  knee is where its elasticity 1 / (1 + c/k) falls to that of a 20% step adding
+  `step_gain`. Walking up, the curve ends at the first level whose throughput is `decline`
+  under the best so far, or whose Kleinrock power (throughput / (TTFT p90 + TPOT p50 x mean
+  output tokens)) is under `power_floor` x the best: the false second peak after a
+  preemption storm beyond is never read, and the knee is at most the last level kept.
 
-    limit = min(headroom x knee, objective ceiling) x (own in-flight / curve in-flight)
+    limit = min(headroom x knee, objective ceiling) x share
 
-The objective ceiling is the highest level measured below the lowest one whose TTFT
-p90 or TPOT p50 broke its objective. The last factor is this gateway's share when the
-curve is the engine's (1 otherwise), so several gateways together hold the engine at
-`headroom x knee` without talking to each other.
+The objective ceiling is the highest level measured below the lowest one whose TTFT p90 or
+TPOT p50 broke its objective. `share` is this gateway's part of the engine's in-flight
+(smoothed, ≤ 1; 1 on a gateway curve), so several gateways hold the engine at
+`headroom x knee` together without talking. Headroom is 0.95, not the operators' 0.8: the
+knee here is measured continuously and the objectives already guard latency.
 
 Regions:
 - low: app-limited (in-flight at the limit for less than `saturation` of the window):
-  holds, but still learns points at the levels it sees.
-- linear: no knee yet (the highest level measured is the knee): steps up by
-  `probe_step` per window (a slow start), measuring as it goes.
-- plateau: holds `headroom x knee`; every `probe_every` windows one window probes at
-  `knee x (1 + probe_step)` — cheap, and the only way to see the knee move up.
-- decline: a TTFT/TPOT breach, a drop, or engine distress (waiting not draining,
-  preemptions rising) cuts the limit to `backoff x` in-flight at once and marks the
-  level as over the objectives.
+  never grows; still learns points and lowers the limit if the knee falls.
+- linear: no knee in sight: grows by x (1 + `climb` x elasticity) per window (slow start,
+  doubling while throughput rises in proportion), never past `headroom x knee`.
+- plateau: holds `headroom x knee`; when the curve's knee binds (not the room), every
+  `probe_every` windows one window probes at `knee x (1 + probe_step)`.
+- decline: a TTFT/TPOT breach or a drop cuts to `backoff x` in-flight and marks the level
+  over the objectives; a full engine (queue, preemptions) caps at `headroom x` its running.
 
 A level whose throughput moves by more than `change` from what the curve holds means the
 engine changed (slower GPU, longer prompts): the rest of the curve is forgotten and
@@ -57,15 +59,18 @@ __all__ = ["Knee", "KneeConfig", "Point"]
 
 
 class KneeConfig(BaseControllerConfig):
-    headroom: float = Field(0.8, gt=0.1, le=1.0, description="limit = headroom x knee")
-    step_gain: float = Field(0.05, ge=0.005, le=0.5, description="the 5% rule's gain")
-    decline: float = Field(0.10, gt=0, lt=0.9, description="throughput drop that ends the curve")
+    headroom: float = Field(0.95, gt=0.1, le=1.0, description="limit = headroom x knee")
+    step_gain: float = Field(
+        0.02, ge=0.005, le=0.5, description="a 20% step adding less throughput is past the knee"
+    )
+    climb: float = Field(1.0, gt=0, le=4, description="most growth per window, x (1 + climb)")
+    decline: float = Field(0.2, gt=0, lt=0.9, description="throughput drop that ends the curve")
     power_floor: float = Field(
         0.5, ge=0, lt=1, description="power under this x the best ends the curve"
     )
     probe_every: int = Field(4, ge=1, le=1000, description="windows between upward probes")
-    probe_step: float = Field(0.15, gt=0, le=2, description="a probe goes this far above the knee")
-    backoff: float = Field(0.9, ge=0.5, lt=1, description="cut on breach, drop or distress")
+    probe_step: float = Field(0.1, gt=0, le=2, description="a probe goes this far above the knee")
+    backoff: float = Field(0.9, ge=0.5, lt=1, description="cut on breach or drop")
     change: float = Field(
         0.35, gt=0, lt=1, description="throughput shift at one level that resets the curve"
     )
@@ -78,7 +83,7 @@ class KneeConfig(BaseControllerConfig):
     saturation: float = Field(
         0.5, gt=0, le=1, description="share of a window at the limit that means demand > limit"
     )
-    window: float = Field(10.0, gt=0, le=600, description="minimum window length, seconds")
+    window: float = Field(5.0, gt=0, le=600, description="minimum window length, seconds")
     min_samples: int = Field(8, ge=1, le=10_000, description="samples before a window closes")
     max_window: float = Field(30.0, gt=0, le=3600, description="a window closes by this age")
 
@@ -103,6 +108,22 @@ class Point:
         }
 
 
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys on xs; (1, 0) unless the slope is clear."""
+    n = len(xs)
+    if n < 2:
+        return 1.0, 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if max(xs) < 1.5 * min(xs):
+        return 1.0, 0.0  # too narrow a range to tell a bend from noise
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    a = my - b * mx
+    res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
+    # a slope within 3 standard errors of zero is noise: the curve is still linear
+    return (a, b) if b * b * sxx * (n - 2) > 9 * res else (1.0, 0.0)
+
+
 def _blend(old: float | None, new: float | None, w: float) -> float | None:
     if old is None or new is None:
         return new if new is not None else old
@@ -122,7 +143,10 @@ class Knee(LimitController):
         self._ref_tokens = 0.0
         self._engine_mode: bool | None = None
         self._last_cut = -math.inf
-        self._cut_last = False
+        # the engine's capacity in sequences: running / KV use, or running when queued
+        self._room = math.inf
+        self._moved = True  # the last window moved the limit by more than a bin (start: from 0)
+        self._share_est: float | None = None
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -158,23 +182,54 @@ class Knee(LimitController):
     # --- one closed window --------------------------------------------------------------
 
     def _close(self, w: Summary) -> None:
-        bad = w.drops > 0 or w.distress or self._over_objective(w)
-        if w.samples or w.engine_throughput is not None:
-            self._learn(w, bad)
-        # distress right after a cut is the engine still draining what the old limit admitted
-        cut_again = bad and not (
-            self._cut_last and w.distress and not w.drops and not self._over_objective(w)
-        )
-        self._cut_last = False
-        if cut_again:
-            self._cut_last = True
+        c = self.cfg
+        bad = w.drops > 0 or self._over_objective(w)
+        level, _ = self._level(w)
+        # the window after a move measures the move (a burst of prefills), not the level
+        # a full engine's level counts its queue: its throughput is the plateau's, at no level
+        measured = w.samples or w.engine_throughput is not None
+        if measured and (bad or not self._moved) and not self._queued(w):
+            self._learn(w, level, bad)
+        self._measure_room(w)
+        before = self._limit
+        target = self._target(level) * self._share(w, level)
+        if bad:
             # decrease needs no proof of load: cut below what was actually in flight
-            self._set_limit(min(self._limit, max(w.inflight, 1.0)) * self.cfg.backoff)
-            self._since_probe = 0
-            self._last_cut = w.end
-        elif not bad and w.saturated >= self.cfg.saturation:
-            self._steer(w)
-        # else app-limited: hold — there is no evidence the engine takes more
+            cut = min(self._limit, max(w.inflight, 1.0)) * c.backoff
+            self._set_limit(max(1.0, min(target, cut)))
+        elif w.saturated >= c.saturation and not self._queued(w):
+            # demand exceeds the limit and the engine keeps up: grow, at most one climb step
+            grow = self._limit * (1 + c.climb * self._elasticity(level))
+            self._set_limit(max(1.0, min(target, grow)))
+        else:
+            # app-limited or queued: hold — there is no evidence the engine takes more
+            self._set_limit(max(1.0, min(self._limit, target)))
+        self._moved = abs(self._limit - before) > self.cfg.bin_ratio * before
+        if self._limit < before:
+            self._last_cut = w.end  # later samples admitted before this measure a level left
+
+    def _share(self, w: Summary, level: float) -> float:
+        """This gateway's part of the engine's in-flight (1 on a gateway curve), smoothed;
+        learnt only from settled windows, as scrapes lag a move by seconds."""
+        now = min(1.0, w.inflight / level) if level > 0 else 1.0
+        if self._share_est is None or not self._moved:
+            self._share_est = _blend(self._share_est, now, self.cfg.smoothing)
+        return self._share_est or now
+
+    @staticmethod
+    def _queued(w: Summary) -> bool:
+        """The engine is full: its queue never emptied in the window, or it preempted."""
+        return (w.engine_waiting or 0.0) > 0 or (w.engine_preempted or 0.0) > 0
+
+    def _measure_room(self, w: Summary) -> None:
+        """The engine's own capacity: what runs when its queue forms, or running / KV use."""
+        run, kv = w.engine_running, w.engine_kv
+        if run is None or run <= 0:
+            return
+        room = run if self._queued(w) else (run / kv if kv and kv > 0 else math.inf)
+        # fast down (a change is news), slow up (one window may be a lucky mix of lengths)
+        up = _blend(self._room, room, self.cfg.smoothing) if math.isfinite(self._room) else room
+        self._room = min(room, up or room)
 
     def _over_objective(self, w: Summary) -> bool:
         c = self.cfg
@@ -193,9 +248,9 @@ class Knee(LimitController):
             return w.engine_inflight, w.engine_throughput
         return w.inflight, w.throughput
 
-    def _learn(self, w: Summary, bad: bool) -> None:
-        level, tput = self._level(w)
-        if level <= 0:
+    def _learn(self, w: Summary, level: float, bad: bool) -> None:
+        tput = w.engine_throughput if self._engine_mode else w.throughput
+        if level <= 0 or tput is None:
             return
         a = self.cfg.smoothing
         self._ref_tokens = _blend(self._ref_tokens or None, w.output_tokens_mean, a) or 0.0
@@ -231,23 +286,22 @@ class Knee(LimitController):
 
     # --- the knee and the limit -----------------------------------------------------------
 
-    def _steer(self, w: Summary) -> None:
-        level, _ = self._level(w)
-        share = w.inflight / level if level > 0 else 1.0
-        knee, rising = self.knee()
+    def _target(self, level: float) -> float:
+        """Where the curve level should go: headroom below the knee, under the ceiling."""
+        knee = self._knee_now()
+        if knee is None:
+            return self.ceiling()
         self.knee_estimate = knee
-        step = 1 + self.cfg.probe_step
-        ceiling = self.ceiling()
-        if knee is None or rising:
-            top = max((p.concurrency for p in self._curve.values()), default=level)
-            target = min(max(top, level) * step, ceiling)  # still climbing: look higher
-        elif self._since_probe + 1 >= self.cfg.probe_every and knee * step <= ceiling:
-            target = knee * step  # one cheap window above the knee
-            self._since_probe = -1
-        else:
-            target = min(self.cfg.headroom * knee, ceiling)
         self._since_probe += 1
-        self._set_limit(max(1.0, target * share))
+        if self._since_probe >= self.cfg.probe_every and self._room > knee:
+            self._since_probe = 0  # one cheap window above a throughput knee: it may have moved
+            return min(knee * (1 + self.cfg.probe_step), self.ceiling())
+        return min(self.cfg.headroom * knee, self.ceiling())
+
+    def _knee_now(self) -> float | None:
+        fit, _ = self.knee()
+        knee = min(fit or math.inf, self._room)
+        return knee if math.isfinite(knee) else None
 
     def ceiling(self) -> float:
         """Highest level measured below the lowest level that broke an objective."""
@@ -259,15 +313,40 @@ class Knee(LimitController):
         return max(ok) if ok else lowest_bad * self.cfg.backoff
 
     def knee(self) -> tuple[float | None, bool]:
-        """(knee level, still rising at the top); (None, True) with fewer than 2 points."""
-        pts = sorted(self._curve.values(), key=lambda p: p.concurrency)
-        if len(pts) < 2:
+        """(knee level of the throughput curve, still rising at the top); None: none seen yet.
+
+        Fits the saturating curve tput = a c / (1 + c/k), i.e. the line c / tput = 1/a + c/(a k)
+        by least squares over the kept points, and returns the level where its elasticity
+        d ln tput / d ln c = 1 / (1 + c/k) falls to that of a 20% step adding `step_gain`;
+        never above the last level kept before a decline.
+        """
+        kept, declined = self._kept()
+        top = kept[-1].concurrency if kept and declined else math.inf
+        a, b = self._fit(kept)
+        if b <= 0 or a <= 0:
+            knee = top  # linear so far, or all plateau (no bend in sight): only a decline says
+        else:
+            e_min = math.log1p(self.cfg.step_gain) / math.log(1.2)
+            knee = min(a / b * (1 / e_min - 1), top)
+        if not math.isfinite(knee):
             return None, True
-        kept = self._until_decline(pts)
-        best = max(p.throughput for p in kept)
-        i = next(i for i, p in enumerate(kept) if p.throughput * (1 + self.cfg.step_gain) >= best)
-        rising = i == len(kept) - 1 and len(kept) == len(pts)
-        return kept[i].concurrency, rising
+        return knee, not declined and knee >= kept[-1].concurrency
+
+    def _elasticity(self, level: float) -> float:
+        """d ln tput / d ln c of the fitted curve at `level`; 1 (linear) without a fit."""
+        a, b = self._fit(self._kept()[0])
+        return max(0.0, min(1.0, a / (a + b * level))) if b > 0 and a + b * level > 0 else 1.0
+
+    def _kept(self) -> tuple[list[Point], bool]:
+        pts = sorted(self._curve.values(), key=lambda p: p.concurrency)
+        kept = self._until_decline([p for p in pts if p.throughput > 0])
+        return kept, len(kept) < len(pts)
+
+    @staticmethod
+    def _fit(pts: list[Point]) -> tuple[float, float]:
+        if len(pts) < 3:
+            return 1.0, 0.0  # two points are one noisy step: no curve yet
+        return _line([p.concurrency for p in pts], [p.concurrency / p.throughput for p in pts])
 
     def _until_decline(self, pts: list[Point]) -> list[Point]:
         kept: list[Point] = []

@@ -9,7 +9,9 @@ Its summary gives, per window: mean in-flight (time-weighted over ticks), output
 tokens/s, TTFT p90, TPOT p50, how much of the window the gateway was saturated
 (in-flight at the limit), drops, and engine distress. When the engine publishes
 `generation_tokens_total`, the summary also carries the engine's own in-flight
-(running + waiting) and tokens/s, which are instant and count every gateway.
+(running + waiting) and tokens/s, which are instant and count every gateway; any scrape at
+all gives the engine's mean running and KV-cache use over the window, the fewest requests
+waiting in any scrape (a queue that never emptied), and the preemptions counted in it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class Summary:
     output_tokens_mean: float = 0.0
     engine_inflight: float | None = None  # running + waiting, mean over scrapes
     engine_throughput: float | None = None  # generation tokens/s between first and last scrape
+    engine_running: float | None = None  # mean over the window's scrapes
+    engine_waiting: float | None = None  # fewest waiting in any of the window's scrapes
+    engine_preempted: float | None = None  # preemptions between the first and last scrape
+    engine_kv: float | None = None  # mean KV-cache use, 0..1
 
     @property
     def duration(self) -> float:
@@ -98,6 +104,7 @@ class Window:
         busy = sum(s.duration for s in self.samples)
         tokens = sum(s.output_tokens for s in self.samples)
         eng_inflight, eng_tput = self._engine()
+        n = len(self.stats)
         return Summary(
             start=self.start,
             end=now,
@@ -115,6 +122,12 @@ class Window:
             output_tokens_mean=tokens / len(self.samples) if self.samples else 0.0,
             engine_inflight=eng_inflight,
             engine_throughput=eng_tput,
+            engine_running=sum(s.running for s in self.stats) / n if n else None,
+            engine_waiting=min(s.waiting for s in self.stats) if n else None,
+            engine_preempted=self.stats[-1].preemptions_total - self.stats[0].preemptions_total
+            if n
+            else None,
+            engine_kv=sum(s.kv_cache_usage for s in self.stats) / n if n else None,
         )
 
     def _engine(self) -> tuple[float | None, float | None]:

@@ -71,12 +71,13 @@ def scrape(
     waiting: float = 0,
     preemptions: float = 0,
     tokens: float = float("nan"),
+    kv: float = 0.5,
 ) -> EngineStats:
     return EngineStats(
         at=at,
         running=running,
         waiting=waiting,
-        kv_cache_usage=0.5,
+        kv_cache_usage=kv,
         preemptions_total=preemptions,
         generation_tokens_total=tokens,
     )

@@ -2,36 +2,70 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from ctl_helpers import scrape, window
 
 from controllers import Knee, KneeConfig, Outcome
 
 
 def make(**cfg: object) -> Knee:
-    return Knee(
-        KneeConfig(**{"initial": 16, "window": 5.0, "probe_step": 0.25, "change": 0.25, **cfg})
-    )
+    return Knee(KneeConfig(**{"initial": 16, "window": 5.0, "change": 0.25, **cfg}))
 
 
-def test_climbs_while_rising_then_holds_headroom_below_the_knee() -> None:
+def engine_window(
+    ctl: Knee, t: float, inflight: int, *, running: float, kv: float, **kw: float
+) -> float:
+    """One window in which the engine reports `running` sequences at `kv` KV-cache use."""
+    for i in range(6):
+        ctl.on_engine_stats(scrape(t + i, running=running, kv=kv, tokens=400.0 * (t + i), **kw))
+    return window(ctl, t, inflight, 400.0)
+
+
+def test_slow_start_doubles_while_no_knee_is_in_sight() -> None:
     ctl = make()
-    t = window(ctl, 0.0, 16, 400.0)  # one point: no knee yet, look higher
-    assert ctl.limit == 20  # 16 * 1.25
-    t = window(ctl, t, 20, 500.0)  # +25%: still linear
-    assert ctl.limit == 25
-    window(ctl, t, 25, 520.0)  # +4%: under the 5% rule, the knee is 20
-    assert ctl.knee_estimate == 20
-    assert ctl.limit == 16  # 0.8 * 20
-
-
-def test_probes_above_the_knee_every_few_windows() -> None:
-    ctl = make(probe_every=2)
     t = window(ctl, 0.0, 16, 400.0)
-    t = window(ctl, t, 20, 500.0)
-    t = window(ctl, t, 25, 520.0)  # third window: probe is due (2 since the last)
-    assert ctl.limit == 25  # 20 * 1.25
-    window(ctl, t, 25, 520.0)
-    assert ctl.limit == 16
+    assert ctl.limit == 32  # 16 x (1 + climb)
+    window(ctl, t, 32, 800.0)
+    assert ctl.limit == 64
+
+
+def test_holds_headroom_below_the_engines_room() -> None:
+    # 16 running fill 40% of the KV cache: the engine has room for 40
+    ctl = make()
+    t = engine_window(ctl, 0.0, 16, running=16, kv=0.4)
+    assert ctl.limit == 32  # one slow-start step, still under 0.95 x 40
+    engine_window(ctl, t, 32, running=32, kv=0.8)
+    assert ctl.knee_estimate == 40
+    assert ctl.limit == 38  # 0.95 x 40
+
+
+def test_a_queue_in_the_engine_caps_at_what_it_runs() -> None:
+    ctl = make(initial=40)
+    engine_window(ctl, 0.0, 40, running=30, kv=0.6, waiting=10)
+    assert ctl.knee_estimate == 30  # its queue never emptied: 30 is all it holds
+    assert ctl.limit == 28  # 0.95 x 30 x (40 / 40 in flight at the engine)
+
+
+def test_fits_a_bending_curve_and_holds_below_its_knee() -> None:
+    # tput = 50 c / (1 + c / 20): c / tput = 0.02 + 0.001 c, k = 20
+    ctl = make(initial=64, step_gain=0.05, probe_every=100)
+    t = window(ctl, 0.0, 8, 285.714)  # the first window measures the start, not a level
+    for c, tput in ((8, 285.714), (16, 444.444), (32, 615.385)):
+        t = window(ctl, t, c, tput)  # app-limited: learns, never grows
+    knee, rising = ctl.knee()
+    assert knee == pytest.approx(54.74, abs=0.01)  # where a 20% step adds 5%
+    assert rising
+    assert ctl.limit == 52  # 0.95 x 54.74: a decrease needs no proof of load
+
+
+def test_probes_above_a_throughput_knee_every_few_windows() -> None:
+    ctl = make(initial=64, step_gain=0.05, probe_every=2)
+    t = window(ctl, 0.0, 8, 285.714)
+    for c, tput in ((8, 285.714), (16, 444.444), (32, 615.385)):
+        t = window(ctl, t, c, tput)
+    assert ctl.limit == 52
+    window(ctl, t, 52, 700.0, out=20, n=12)  # short answers, mostly admitted after the cut
+    assert ctl.limit == 60  # 54.74 x 1.1: the second window at the knee probes above it
 
 
 def test_holds_while_app_limited() -> None:
@@ -51,25 +85,31 @@ def test_ttft_breach_backs_off_below_in_flight() -> None:
 def test_objective_ceiling_caps_the_climb() -> None:
     ctl = make(initial=10)
     t = window(ctl, 0.0, 10, 250.0)
-    assert ctl.limit == 12
-    t = window(ctl, t, 12, 300.0, ttft=3.0)  # breach at 12: cut to 12 * 0.9
-    assert ctl.limit == 10
-    t = window(ctl, t, 10, 250.0)
-    assert ctl.ceiling() == 10
-    assert ctl.limit == 10  # would climb to 12.5, but 12 broke the objective
+    assert ctl.limit == 20
+    t = window(ctl, t, 20, 500.0, ttft=3.0)  # breach at 20: cut to 20 * 0.9
+    assert ctl.limit == 18
+    window(ctl, t, 18, 450.0)
+    assert ctl.ceiling() == 18  # nothing good measured under 20: 0.9 x 20
+    assert ctl.limit == 18  # would double, but 20 broke the objective
 
 
-def test_drop_and_distress_back_off() -> None:
+def test_drop_and_engine_queue_back_off() -> None:
     ctl = make()
     window(ctl, 0.0, 16, 400.0, outcome=Outcome.UPSTREAM_OVERLOADED, ttft=None)
     assert ctl.limit == 14
-    ctl.on_engine_stats(scrape(5.0, waiting=2))
-    ctl.on_engine_stats(scrape(6.0, waiting=3))
-    t = window(ctl, 6.0, 16, 400.0)
-    assert ctl.limit == 14  # distress right after a cut: the engine is still draining
-    ctl.on_engine_stats(scrape(t, waiting=4))
-    window(ctl, t, 16, 400.0)
-    assert ctl.limit == 12  # still distressed a window later: 14.4 * 0.9 = 12.96
+    ctl.on_engine_stats(scrape(5.0, running=8, waiting=2))
+    ctl.on_engine_stats(scrape(6.0, running=8, waiting=3))
+    window(ctl, 6.0, 14, 400.0)
+    assert ctl.limit == 7  # the engine queues past 8 running: 0.95 x 8
+
+
+def test_preemptions_mean_the_engine_is_full() -> None:
+    ctl = make(initial=20)
+    ctl.on_engine_stats(scrape(0.0, running=12, preemptions=3))
+    ctl.on_engine_stats(scrape(1.0, running=12, preemptions=5))
+    window(ctl, 1.0, 20, 400.0)
+    assert ctl.knee_estimate == 12
+    assert ctl.limit == 11  # 0.95 x 12
 
 
 def test_cancellation_is_no_sample() -> None:
@@ -80,24 +120,22 @@ def test_cancellation_is_no_sample() -> None:
 
 
 def test_not_fooled_by_the_false_second_peak() -> None:
-    ctl = make(initial=4, ttft_objective=10.0, tpot_objective=1.0)
-    t = 0.0
-    for level, tput, ttft in (
-        (8, 200.0, 0.2),
-        (16, 400.0, 0.3),
-        (24, 300.0, 2.0),
-        (32, 420.0, 4.0),
-    ):
+    ctl = make(initial=64, ttft_objective=10.0, tpot_objective=1.0, probe_every=100)
+    t = window(ctl, 0.0, 8, 200.0)
+    for level, tput, ttft in ((8, 200.0, 0.2), (16, 400.0, 0.3), (24, 300.0, 2.0)):
         t = window(ctl, t, level, tput, ttft=ttft)
+    for _ in range(2):  # the first window at 32 measures the move there
+        t = window(ctl, t, 32, 420.0, ttft=4.0, out=20, n=12)
+    assert [p["concurrency"] for p in ctl.state()["curve"]] == [8, 16, 24, 32]
     # 32 in flight yields more than 16 did, but only after the collapse at 24
     assert ctl.knee() == (16, False)
 
 
 def test_a_changed_engine_resets_the_curve() -> None:
-    ctl = make()
+    ctl = make(initial=64)
     t = window(ctl, 0.0, 16, 400.0)
-    t = window(ctl, t, 20, 500.0)
-    t = window(ctl, t, 25, 520.0)  # limit back to 16
+    for c, tput in ((16, 400.0), (20, 500.0), (25, 520.0)):
+        t = window(ctl, t, c, tput)
     assert len(ctl.state()["curve"]) == 3
     window(ctl, t, 16, 200.0)  # the same level now gives half: a slower GPU
     assert [p["throughput"] for p in ctl.state()["curve"]] == [200.0]
@@ -106,29 +144,25 @@ def test_a_changed_engine_resets_the_curve() -> None:
 def test_engine_curve_is_shared_by_gateways() -> None:
     # this gateway holds 4 of the engine's 16; the engine's tokens/s come from its counter
     ctl = make(initial=4)
-    ctl.on_tick(0.0, 4)
-    for i in range(6):
-        ctl.on_engine_stats(scrape(float(i), running=16, tokens=400.0 * i))
-    window(ctl, 0.0, 4, 100.0)
+    t = 0.0
+    for _ in range(3):  # the first measures the start, the second moves the limit to 7
+        for i in range(6):
+            ctl.on_engine_stats(scrape(t + i, running=16, kv=0.5, tokens=400.0 * (t + i)))
+        t = window(ctl, t, 4, 100.0)
     curve = ctl.state()["curve"]
-    assert curve == [
-        {
-            "concurrency": 16.0,
-            "throughput": 400.0,
-            "ttft_p90": 0.2,
-            "tpot_p50": curve[0]["tpot_p50"],
-        }
-    ]
+    assert [(p["concurrency"], p["throughput"]) for p in curve] == [(16.0, 400.0)]
     assert ctl.state()["curve_of"] == "engine"
-    assert ctl.limit == 5  # engine target 16 * 1.25 = 20, times this gateway's share 1/4
+    assert ctl.knee_estimate == 32  # 16 running in half the KV cache
+    assert ctl.limit == 7  # 0.95 x 32 x this gateway's share 1/4
 
 
 def test_state_is_json() -> None:
-    ctl = make()
+    ctl = make(initial=64)
     t = window(ctl, 0.0, 16, 400.0)
+    t = window(ctl, t, 16, 400.0)
     window(ctl, t, 20, 500.0)
     state = json.loads(json.dumps(ctl.state()))
     assert state["name"] == "knee"
-    assert state["limit"] == 25
+    assert state["limit"] == 64
     assert [p["concurrency"] for p in state["curve"]] == [16.0, 20.0]
     assert set(state["curve"][0]) == {"concurrency", "throughput", "ttft_p90", "tpot_p50"}
