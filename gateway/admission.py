@@ -260,12 +260,15 @@ class AdmissionQueue:
     # --- internals -----------------------------------------------------------------
 
     def _ahead_of(self, cls: str) -> int:
+        # on every offer: skip empty queues first, build nothing
         rank = self.classes[cls].priority
-        return sum(
-            len(q)
-            for name, q in self._queues.items()
-            if self.classes.get(name, ClassPolicy(name, -(10**9))).priority >= rank
-        )
+        ahead = 0
+        for name, q in self._queues.items():
+            if q:
+                policy = self.classes.get(name)
+                if (policy.priority if policy is not None else -(10**9)) >= rank:
+                    ahead += len(q)
+        return ahead
 
     def _pick(self) -> UpstreamState | None:
         best: UpstreamState | None = None

@@ -84,7 +84,8 @@ class Gate:
         """A permit now, a permit after waiting in the queue, or a Rejection raised."""
         now = self.clock()
         ticket = Ticket(cls, now)
-        self.metrics.received.labels(cls).inc()
+        m = self.metrics
+        m.child(m.received, cls).inc()
         decision = self.queue.offer(ticket, now)
         if isinstance(decision, Admitted):
             self._count_admitted(ticket)
@@ -121,8 +122,9 @@ class Gate:
 
     def _count_admitted(self, ticket: Ticket) -> None:
         assert ticket.upstream is not None and ticket.dispatched_at is not None
-        self.metrics.admitted.labels(ticket.upstream.name, ticket.cls).inc()
-        self.metrics.queue_wait.labels(ticket.cls).observe(ticket.dispatched_at - ticket.arrived_at)
+        m = self.metrics
+        m.child(m.admitted, ticket.upstream.name, ticket.cls).inc()
+        m.child(m.queue_wait, ticket.cls).observe(ticket.dispatched_at - ticket.arrived_at)
 
     def _wake(self, tickets: list[Ticket]) -> None:
         for t in tickets:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -135,6 +135,15 @@ class GatewayMetrics:
         self.reloads = Counter(
             "kneegate_config_reloads", "Config reloads by result", ["result"], registry=r)
         self._live: _LiveCollector | None = None
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """`metric.labels(*labels)`, cached: the hot path skips prometheus' label checks."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def bind_live(
         self,
@@ -151,13 +160,14 @@ class GatewayMetrics:
         self, upstream: str, outcome: Outcome, ttft: float | None, tpot: float | None,
         output_tokens: int,
     ) -> None:
-        self.finished.labels(upstream, FINISHED[outcome]).inc()
+        child = self.child
+        child(self.finished, upstream, FINISHED[outcome]).inc()
         kind = _FAILURE_KIND.get(outcome)
         if kind is not None:
-            self.failures.labels(upstream, kind).inc()
+            child(self.failures, upstream, kind).inc()
         if ttft is not None:
-            self.ttft.labels(upstream).observe(ttft)
+            child(self.ttft, upstream).observe(ttft)
         if tpot is not None:
-            self.tpot.labels(upstream).observe(tpot)
+            child(self.tpot, upstream).observe(tpot)
         if output_tokens:
-            self.output_tokens.labels(upstream).inc(output_tokens)
+            child(self.output_tokens, upstream).inc(output_tokens)

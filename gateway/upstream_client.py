@@ -52,6 +52,7 @@ class _Conn(asyncio.Protocol):
 
     def __init__(self, client: UpstreamClient, key: Origin) -> None:
         self.client, self.key = client, key
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._reset()
@@ -122,18 +123,15 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def _wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
+    # A waiter is left in place once done; `_wake` skips done (or cancelled) futures, so
+    # the reader needs no try/finally per wait.
 
     async def read_head(self) -> None:
         while not self.got_headers:
             if self.error is not None:
                 raise self.error
-            await self._wait()
+            self.waiter = fut = self.loop.create_future()
+            await fut
 
     async def read(self) -> bytes:
         """The body bytes buffered so far, waiting for some; b"" at the end."""
@@ -142,7 +140,8 @@ class _Conn(asyncio.Protocol):
                 return b""
             if self.error is not None:
                 raise self.error
-            await self._wait()
+            self.waiter = fut = self.loop.create_future()
+            await fut
         buf = self.buf
         data = buf[0] if len(buf) == 1 else b"".join(buf)
         buf.clear()
