@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -175,6 +176,17 @@ class KneegateApp:
         await self.own(scope, receive, send)
 
 
+def _json_safe(obj: Any) -> Any:
+    """NaN and infinities (unknown engine figures, unset estimates) become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def _error_response(exc: HTTPError) -> Response:
     status, headers, body = render(exc)
     return Response(body, status, headers={k.decode(): v.decode() for k, v in headers})
@@ -201,7 +213,7 @@ def _own_endpoints(gw: Gateway) -> Starlette:
 
     async def status(request: Request) -> Response:
         admin_only(request)
-        return JSONResponse(gw.status())
+        return JSONResponse(_json_safe(gw.status()))
 
     async def reload(request: Request) -> Response:
         admin_only(request)

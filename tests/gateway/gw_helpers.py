@@ -18,10 +18,11 @@ from gateway.server import uvicorn_config
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
+async def serve(app: Any, sock: socket.socket | None = None) -> AsyncIterator[str]:
     """Serve `app` with uvicorn (httptools) on a loopback port; yield its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    if sock is None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn_config(app))
     task = asyncio.create_task(server.serve(sockets=[sock]))

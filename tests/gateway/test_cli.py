@@ -143,3 +143,19 @@ def test_python_dash_m_gateway_is_the_cli() -> None:
     out = subprocess.run([sys.executable, "-m", "gateway", "--help"], capture_output=True,
                          text=True, check=True, env={**os.environ})
     assert "check-config" in out.stdout and "demo" in out.stdout
+
+
+def test_gateway_never_loads_benchmarks_by_itself() -> None:
+    code = ("import sys, gateway.app, gateway.cli, gateway.server, gateway.demo; "
+            "print(sorted(m for m in sys.modules if m.startswith('benchmarks')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("tool", ["engine", "sweep", "simulate"])
+def test_benchmark_tools_are_reached_lazily(tool: str) -> None:
+    pytest.importorskip(f"benchmarks.{'engine.server' if tool == 'engine' else tool}")
+    out = subprocess.run([sys.executable, "-m", "gateway", tool, "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "usage:" in out.stdout

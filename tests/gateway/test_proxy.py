@@ -243,6 +243,42 @@ async def test_unreachable_upstream_is_502_then_no_upstream() -> None:
             assert "retry-after" in r.headers
 
 
+async def test_unusable_upstream_comes_back_after_a_probe() -> None:
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # the engine's port, not listening yet
+    app = build_app(gw_config(f"http://127.0.0.1:{sock.getsockname()[1]}"))
+    async with serve(app) as gw, httpx.AsyncClient() as client:
+        assert (await client.post(gw + "/v1/completions", json={})).status_code == 502
+        assert (await client.get(gw + "/ready")).status_code == 503
+        async with serve(FakeEngine(), sock):  # the engine starts
+            with anyio.fail_after(5):
+                while (await client.get(gw + "/ready")).status_code != 200:
+                    await asyncio.sleep(0.05)
+            r = await client.post(gw + "/v1/completions", json={"max_tokens": 1})
+            assert r.status_code == 200
+
+
+async def test_engine_metrics_are_scraped_for_the_controller() -> None:
+    engine = FakeEngine()
+    async with serve(engine) as up:
+        cfg = gw_config(upstreams=[{"name": "e0", "url": up, "metrics_url": up + "/metrics",
+                                    "scrape_interval": 0.05}])
+        app = build_app(cfg)
+        seen = []
+        ctl = app.gateway.pool.active[0].controller
+        ctl.on_engine_stats = seen.append  # type: ignore[method-assign]
+        async with serve(app) as gw, httpx.AsyncClient() as client:
+            with anyio.fail_after(5):
+                while not seen:
+                    await asyncio.sleep(0.02)
+            status = (await client.get(gw + "/kneegate/status")).json()
+            assert status["upstreams"][0]["engine"] == {
+                "running": 0.0, "waiting": 0.0, "kv_cache_usage": None}
+            assert seen[0].running == 0
+
+
 async def test_api_key_and_header_pick_the_class() -> None:
     classes = {"interactive": {"priority": 10}, "batch": {"priority": 0}}
     cfg_kw = {"classes": classes, "default_class": "interactive",
