@@ -77,7 +77,8 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def _flags(**kw: object) -> argparse.Namespace:
-    base = dict(upstream=None, host=None, port=None, controller=None, limit=None, workers=None)
+    base: dict[str, object] = dict(upstream=None, host=None, port=None, controller=None,
+                                   limit=None, workers=None)
     base.update(kw)
     return argparse.Namespace(**base)
 

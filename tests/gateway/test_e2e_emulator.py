@@ -66,7 +66,8 @@ async def test_openai_client_honours_retry_after_on_429() -> None:
                 await hog.aclose()  # the slot frees now; the client must still wait 1 s
 
         http = httpx.AsyncClient(event_hooks={"response": [on_response]})
-        async with openai.AsyncOpenAI(base_url=gw + "/v1", api_key="k", http_client=http,
+        async with openai.AsyncOpenAI(base_url=gw + "/v1", api_key="k",
+                                      http_client=http,  # type: ignore[arg-type]
                                       max_retries=2) as c:
             start = time.monotonic()
             with anyio.fail_after(10):

@@ -79,7 +79,7 @@ async def test_finish_is_idempotent() -> None:
 async def test_cancelled_is_counted_but_not_a_sample() -> None:
     gate, up, _ = make_gate()
     seen: list[Sample] = []
-    up.controller.on_sample = seen.append  # type: ignore[method-assign]
+    up.controller.on_sample = seen.append  # type: ignore[method-assign,assignment]
     (await gate.acquire("hi")).finish(Outcome.CLIENT_CANCELLED, sample(Outcome.CLIENT_CANCELLED))
     (await gate.acquire("hi")).finish(Outcome.TIMEOUT, sample(Outcome.TIMEOUT))
     assert [s.outcome for s in seen] == [Outcome.TIMEOUT]

@@ -175,7 +175,7 @@ async def test_fixed_limit_holds_with_three_times_the_clients() -> None:
 
 
 async def test_queue_timeout_is_503() -> None:
-    cfg_kw = {"classes": {"default": {"max_wait": 0.2}}, "limit": 1}
+    cfg_kw: dict[str, Any] = {"classes": {"default": {"max_wait": 0.2}}, "limit": 1}
     async with _rig(FakeEngine(first_delay=30), **cfg_kw) as rig:
         hog = asyncio.create_task(rig.client.post(
             rig.gw + "/v1/completions", json={"max_tokens": 1, "stream": True}))
@@ -266,9 +266,9 @@ async def test_engine_metrics_are_scraped_for_the_controller() -> None:
         cfg = gw_config(upstreams=[{"name": "e0", "url": up, "metrics_url": up + "/metrics",
                                     "scrape_interval": 0.05}])
         app = build_app(cfg)
-        seen = []
+        seen: list[Any] = []
         ctl = app.gateway.pool.active[0].controller
-        ctl.on_engine_stats = seen.append  # type: ignore[method-assign]
+        ctl.on_engine_stats = seen.append  # type: ignore[method-assign,assignment]
         async with serve(app) as gw, httpx.AsyncClient() as client:
             with anyio.fail_after(5):
                 while not seen:
@@ -281,7 +281,7 @@ async def test_engine_metrics_are_scraped_for_the_controller() -> None:
 
 async def test_api_key_and_header_pick_the_class() -> None:
     classes = {"interactive": {"priority": 10}, "batch": {"priority": 0}}
-    cfg_kw = {"classes": classes, "default_class": "interactive",
+    cfg_kw: dict[str, Any] = {"classes": classes, "default_class": "interactive",
               "api_keys": {"sk-batch": "batch"}}
     async with _rig(FakeEngine(), **cfg_kw) as rig:
         await rig.client.post(rig.gw + "/v1/completions", json={},
