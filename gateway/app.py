@@ -136,6 +136,7 @@ class Gateway:
         """Re-read the config file. A bad file keeps the old config, logs and counts it."""
         if self.config_path is None:
             self.metrics.reloads.labels("failed").inc()
+            log.error("config reload asked for, but kneegate was started without --config")
             return False, "no config file to reload (started without --config)"
         try:
             cfg = load_config(self.config_path)

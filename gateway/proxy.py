@@ -220,6 +220,7 @@ class Proxy:
         self.active.add(ex)
         resp: UpstreamResponse | None = None
         tap: Tap | None = None
+        error: UpstreamError | None = None
         outcome = Outcome.CLIENT_CANCELLED  # what a cancellation leaves behind
         try:
             base = permit.upstream.url
@@ -229,16 +230,17 @@ class Proxy:
                 await self._relay(ex, resp, tap, send, rid)
             outcome = _outcome_for_status(resp.status)
         except UpstreamError as exc:
-            outcome = self._upstream_failed(permit, exc)
-            if not ex.started:
-                await send_error(send, exc, [(b"x-request-id", rid)])
+            outcome, error = self._upstream_failed(permit, exc), exc
         finally:
+            # the slot is free before anything else may happen; sync, cancellation-proof
             self.active.discard(ex)
             if ex.aborted is not None:
                 outcome = ex.aborted
             permit.finish(outcome, self._sample(permit, outcome, tap))
             if resp is not None:
                 resp.release() if ex.finished else resp.close()
+        if error is not None and not ex.started:
+            await send_error(send, error, [(b"x-request-id", rid)])
 
     async def _relay(
         self, ex: Exchange, resp: UpstreamResponse, tap: Tap, send: Send, rid: bytes
