@@ -50,6 +50,7 @@ def uvicorn_config(app: Any, *, log_level: str = "warning") -> uvicorn.Config:
         date_header=False,
         backlog=4096,
         timeout_keep_alive=75,
+        timeout_graceful_shutdown=25,  # then open streams are cancelled (and released)
         log_level=log_level,
     )
 

@@ -90,6 +90,9 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        idle = self.client._idle.get(self.key)
+        if idle is not None:
+            idle.pop(self, None)
         if self.got_headers and not self.framed and exc is None:
             self.done = True
         if not self.done and self.error is None:
@@ -159,7 +162,7 @@ class _Conn(asyncio.Protocol):
         """Response fully read: back to the pool if the connection can be reused."""
         if self.done and self.reusable and not self.closed and not self.head_only:
             self._reset()
-            self.client._idle.setdefault(self.key, []).append(self)
+            self.client._idle.setdefault(self.key, {})[self] = None
         else:
             self.close()
 
@@ -203,7 +206,9 @@ class UpstreamClient:
 
     def __init__(self, connect_timeout: float) -> None:
         self.connect_timeout = connect_timeout
-        self._idle: dict[Origin, list[_Conn]] = {}
+        # idle keep-alive connections per origin; a dict as an ordered set: O(1) removal
+        # when the engine closes one, and the most recently used is reused first
+        self._idle: dict[Origin, dict[_Conn, None]] = {}
         self._origins: dict[str, tuple[Origin, str]] = {}
         self._ssl: ssl.SSLContext | None = None
 
@@ -241,7 +246,7 @@ class UpstreamClient:
     def _pooled(self, key: Origin) -> _Conn | None:
         idle = self._idle.get(key)
         while idle:
-            conn = idle.pop()
+            conn, _ = idle.popitem()
             if not conn.closed:
                 return conn
         return None
