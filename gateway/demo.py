@@ -64,11 +64,11 @@ async def _serving(app: Any) -> AsyncIterator[str]:
 
 async def _client(client: UpstreamClient, gw: str, tally: _Tally, stop: asyncio.Event,
                   budget: list[int]) -> None:
-    headers = [("content-type", "application/json")]
+    headers = [(b"content-type", b"application/json")]
     while not stop.is_set() and budget[0] > 0:
         budget[0] -= 1
         start = time.monotonic()
-        resp = await client.open("POST", gw, "/v1/completions", headers, _BODY)
+        resp = await client.open("POST", gw, b"/v1/completions", headers, _BODY)
         first = await resp.read()
         if resp.status != 200:
             await resp.read_all()

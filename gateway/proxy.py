@@ -20,7 +20,7 @@ deadlines by comparing chunk counters — no timer per chunk.
 from __future__ import annotations
 
 import asyncio
-import uuid
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -181,8 +181,8 @@ class Proxy:
 
     def _forward_headers(
         self, scope: Scope, s: ProxySettings
-    ) -> tuple[list[tuple[str, str]], bytes, str]:
-        out: list[tuple[str, str]] = []
+    ) -> tuple[list[tuple[bytes, bytes]], bytes, str]:
+        out: list[tuple[bytes, bytes]] = []
         xff = rid = cls_value = auth = None
         for k, v in scope["headers"]:
             if k in HOP_BY_HOP:
@@ -196,19 +196,19 @@ class Proxy:
                 cls_value = v
             elif k == b"authorization":
                 auth = v
-            out.append((k.decode("latin-1"), v.decode("latin-1")))
+            out.append((k, v))
         if rid is None:
-            rid = uuid.uuid4().hex.encode()
-            out.append(("x-request-id", rid.decode()))
+            rid = os.urandom(16).hex().encode()  # as random as uuid4, a third of the cost
+            out.append((b"x-request-id", rid))
         client = scope.get("client")
         if client:
             xff = client[0].encode() if xff is None else xff + b", " + client[0].encode()
         if xff is not None:
-            out.append(("x-forwarded-for", xff.decode("latin-1")))
+            out.append((b"x-forwarded-for", xff))
         return out, rid, s.classify(cls_value, auth)
 
     async def _serve(
-        self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[str, str]],
+        self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[bytes, bytes]],
         body: bytes, rid: bytes, cls: str,
     ) -> None:
         try:
@@ -292,10 +292,10 @@ class Proxy:
                 ex.abort(Outcome.TIMEOUT)
 
 
-def _target(scope: Scope) -> str:
+def _target(scope: Scope) -> bytes:
     path: bytes = scope.get("raw_path") or scope["path"].encode()
     qs: bytes = scope.get("query_string", b"")
-    return (path + b"?" + qs if qs else path).decode("latin-1")
+    return path + b"?" + qs if qs else path
 
 
 def _is_sse(headers: Sequence[tuple[bytes, bytes]]) -> bool:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
+from types import TracebackType
 from urllib.parse import urlsplit
 
 import httptools
@@ -36,15 +36,28 @@ Origin = tuple[str, int, bool]  # host, port, TLS
 _HIGH_WATER = 1 << 20  # buffered body bytes before we stop reading the engine's socket
 
 
-@contextmanager
-def upstream_errors(url: str) -> Iterator[None]:
-    """Map transport-level exceptions to UpstreamTimeout / UpstreamError."""
-    try:
-        yield
-    except TimeoutError as exc:
-        raise UpstreamTimeout(f"upstream {url} timed out") from exc
-    except (OSError, httptools.HttpParserError) as exc:
-        raise UpstreamError(f"upstream {url} failed: {exc!r}") from exc
+class upstream_errors:
+    """Map transport-level exceptions to UpstreamTimeout / UpstreamError (`raise from`).
+
+    A class, not @contextmanager: it is entered twice per proxied request.
+    """
+
+    __slots__ = ("url",)
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            return
+        if isinstance(exc, TimeoutError):
+            raise UpstreamTimeout(f"upstream {self.url} timed out") from exc
+        if isinstance(exc, (OSError, httptools.HttpParserError)):
+            raise UpstreamError(f"upstream {self.url} failed: {exc!r}") from exc
 
 
 class _Conn(asyncio.Protocol):
@@ -194,11 +207,11 @@ class UpstreamResponse:
         self._conn.finish()
 
 
-def _origin(base: str) -> tuple[Origin, str]:
+def _origin(base: str) -> tuple[Origin, bytes]:
     parts = urlsplit(base)
     tls = parts.scheme == "https"
     port = parts.port or (443 if tls else 80)
-    return (parts.hostname or "localhost", port, tls), parts.netloc
+    return (parts.hostname or "localhost", port, tls), parts.netloc.encode("idna")
 
 
 class UpstreamClient:
@@ -209,7 +222,7 @@ class UpstreamClient:
         # idle keep-alive connections per origin; a dict as an ordered set: O(1) removal
         # when the engine closes one, and the most recently used is reused first
         self._idle: dict[Origin, dict[_Conn, None]] = {}
-        self._origins: dict[str, tuple[Origin, str]] = {}
+        self._origins: dict[str, tuple[Origin, bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
 
     def set_connect_timeout(self, seconds: float) -> None:
@@ -252,24 +265,26 @@ class UpstreamClient:
         return None
 
     async def open(
-        self, method: str, base: str, target: str, headers: list[tuple[str, str]], body: bytes
+        self, method: str, base: str, target: bytes, headers: list[tuple[bytes, bytes]],
+        body: bytes,
     ) -> UpstreamResponse:
         """Send `method target` to the engine at `base`; return once its headers arrived.
 
         `target` (path and query) is sent as it is, already percent-encoded; `headers`
-        must not include Host or Content-Length.
+        (raw ASGI pairs) must not include Host or Content-Length.
         """
         origin = self._origins.get(base)
         if origin is None:
             origin = self._origins[base] = _origin(base)
         key, netloc = origin
-        url = base + target
-        head = [f"{method} {target} HTTP/1.1\r\nhost: {netloc}\r\n"]
-        head.extend(f"{k}: {v}\r\n" for k, v in headers)
+        url = base + target.decode("latin-1")
+        head = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (method.encode(), target, netloc)]
+        head.extend(b"%s: %s\r\n" % kv for kv in headers)
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-            head.append(f"content-length: {len(body)}\r\n")
-        head.append("\r\n")
-        payload = "".join(head).encode("latin-1") + body
+            head.append(b"content-length: %d\r\n" % len(body))
+        head.append(b"\r\n")
+        head.append(body)
+        payload = b"".join(head)
         conn = self._pooled(key)
         if conn is not None:
             try:
@@ -300,7 +315,7 @@ class UpstreamClient:
                 parts = urlsplit(url)
                 target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
                 base = f"{parts.scheme}://{parts.netloc}"
-                resp = await self.open("GET", base, target, [("accept", "*/*")], b"")
+                resp = await self.open("GET", base, target.encode(), [(b"accept", b"*/*")], b"")
                 try:
                     with upstream_errors(url):
                         body = await resp.read_all()

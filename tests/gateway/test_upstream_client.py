@@ -64,7 +64,7 @@ async def test_keep_alive_connection_is_reused() -> None:
     client = UpstreamClient(connect_timeout=2)
     async with raw_server(server) as base:
         for i in (1, 2, 3):
-            resp = await client.open("POST", base, "/v1/x?q=1", [("x-a", "b")], b"{}")
+            resp = await client.open("POST", base, b"/v1/x?q=1", [(b"x-a", b"b")], b"{}")
             assert resp.status == 200 and (b"x-n", str(i).encode()) in resp.headers
             assert await resp.read_all() == b"hello"
             resp.release()
@@ -79,11 +79,11 @@ async def test_body_delimited_by_close_is_read_to_the_end() -> None:
                        close_after=True)
     client = UpstreamClient(connect_timeout=2)
     async with raw_server(server) as base:
-        resp = await client.open("GET", base, "/", [], b"")
+        resp = await client.open("GET", base, b"/", [], b"")
         with anyio.fail_after(2):
             assert await resp.read_all() == b"all of it"
         resp.release()
-        resp = await client.open("GET", base, "/", [], b"")  # a fresh connection
+        resp = await client.open("GET", base, b"/", [], b"")  # a fresh connection
         assert server.connections == 2
         await client.close()
 
@@ -92,13 +92,13 @@ async def test_idle_connection_closed_by_the_engine_is_replaced() -> None:
     server = RawServer(fixed(b"ok"))
     client = UpstreamClient(connect_timeout=2)
     async with raw_server(server) as base:
-        resp = await client.open("GET", base, "/", [], b"")
+        resp = await client.open("GET", base, b"/", [], b"")
         await resp.read_all()
         resp.release()
         for w in server.writers:  # the engine drops its idle keep-alive connection
             w.close()
         await asyncio.sleep(0.05)  # let the FIN arrive (or not: both paths must work)
-        resp = await client.open("GET", base, "/", [], b"")
+        resp = await client.open("GET", base, b"/", [], b"")
         assert await resp.read_all() == b"ok"
         assert server.connections == 2
         await client.close()
@@ -110,18 +110,18 @@ async def test_connection_refused_is_connect_error() -> None:
         base = f"http://127.0.0.1:{s.getsockname()[1]}"
         client = UpstreamClient(connect_timeout=2)
         with pytest.raises(UpstreamConnectError, match="cannot connect"):
-            await client.open("GET", base, "/", [], b"")
+            await client.open("GET", base, b"/", [], b"")
 
 
 async def test_garbage_and_truncation_are_upstream_errors() -> None:
     client = UpstreamClient(connect_timeout=2)
     async with raw_server(RawServer(lambda n: b"NOT HTTP AT ALL\r\n\r\n")) as base:
         with anyio.fail_after(2), pytest.raises(UpstreamError):
-            await client.open("GET", base, "/", [], b"")
+            await client.open("GET", base, b"/", [], b"")
     cut = RawServer(lambda n: b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nshort",
                     close_after=True)
     async with raw_server(cut) as base:
-        resp = await client.open("GET", base, "/", [], b"")
+        resp = await client.open("GET", base, b"/", [], b"")
         with anyio.fail_after(2), pytest.raises(ConnectionError):
             await resp.read_all()
 
