@@ -199,11 +199,13 @@ class _Client(asyncio.Protocol):
 
     def _finish(self, now: float) -> None:
         r = self.result
-        if self.window[0] <= now <= self.window[1]:  # completions inside the window
+        if self.window[0] <= now <= self.window[1]:  # throughput: completions in the window
             if self.status == 200:
                 r.ok += 1
                 r.events += max(0, self.events - 1)  # the [DONE] line is not a token
-                if self.first_at is not None:
+                # latency: only requests sent inside the window, so the warm-up wave (which
+                # also pays for opening the proxy's upstream connections) is not a sample
+                if self.first_at is not None and self.sent_at >= self.window[0]:
                     r.ttfts.append(self.first_at - self.sent_at)
             else:
                 r.errors += 1
