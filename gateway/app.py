@@ -73,7 +73,8 @@ class Gateway:
         self.config_path, self.prepare, self.clock = config_path, prepare, clock
         self.config = config
         self.metrics = GatewayMetrics(registry if registry is not None else CollectorRegistry())
-        self.pool = UpstreamPool(config.upstreams)
+        self.pool = UpstreamPool(config.upstreams, clock=clock,
+                                 count_scrape=self.metrics.count_scrape)
         self.queue = AdmissionQueue(
             list(self.pool.active), _policies(config), config.max_queue,
             config.retry_after_min, config.retry_after_max,
@@ -82,7 +83,7 @@ class Gateway:
         self.client = UpstreamClient(config.timeouts.connect)
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
                            clock)
-        self.metrics.bind_live(self.pool.all, self._depths)
+        self.metrics.bind_live(self.pool.all, self._depths, clock)
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -152,8 +153,11 @@ class Gateway:
         return True, f"reloaded {self.config_path}"
 
     def status(self) -> dict[str, Any]:
+        """Each upstream (its controller's state: limit, knee estimate, learned curve; its
+        engine's scraped figures), the queue and the completion rate."""
+        now = self.clock()
         return {
-            "upstreams": [u.status() for u in self.pool.all()],
+            "upstreams": [u.status(now) for u in self.pool.all()],
             "queue": {name: self.queue.depth(name) for name in self.config.classes},
             "queue_total": self.queue.depth(),
             "completion_rate": round(self.queue.completion_rate, 3),

@@ -46,8 +46,28 @@ class UpstreamConfig(_Frozen):
     controller: str = Field("fixed", description="controller name from controllers.registry")
     params: dict[str, Any] = Field(default_factory=dict, description="the controller's config")
     health_path: str = Field("/health", description="probed while the upstream is unusable")
-    metrics_url: str | None = Field(None, description="engine /metrics to scrape (optional)")
-    scrape_interval: float = Field(5.0, gt=0, description="seconds between engine scrapes")
+    scrape: bool | None = Field(
+        None, description="scrape the engine's /metrics; unset: scrape when metrics_url is given")
+    metrics_url: str | None = Field(
+        None, description="engine /metrics to scrape; default url + '/metrics' when scrape is on")
+    scrape_interval: float = Field(
+        1.0, gt=0, le=60, description="seconds between engine scrapes (knee is tuned for 1 s)")
+    stale_after: float | None = Field(
+        None, gt=0, le=600,
+        description="engine figures older than this are not used (also the scrape timeout); "
+        "default 3 x scrape_interval")
+    stall_after: float = Field(
+        10.0, gt=0, le=3600,
+        description="running requests and no new tokens for this long: the upstream is unusable")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_metrics_url(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("scrape") and not data.get("metrics_url"):
+            url = data.get("url")
+            if isinstance(url, str):
+                return {**data, "metrics_url": url.rstrip("/") + "/metrics"}
+        return data
 
     @field_validator("url")
     @classmethod
@@ -58,6 +78,32 @@ class UpstreamConfig(_Frozen):
         if parts.path not in ("", "/") or parts.query:
             raise ValueError(f"give the engine's origin only (no path or query), got {v!r}")
         return v.rstrip("/")
+
+    @field_validator("metrics_url")
+    @classmethod
+    def _metrics_url_is_http(cls, v: str | None) -> str | None:
+        parts = urlsplit(v or "http://x")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"need an http(s) URL with a host, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _fresh_between_scrapes(self) -> UpstreamConfig:
+        if self.stale_after is not None and self.stale_after <= self.scrape_interval:
+            raise ValueError(
+                f"stale_after: {self.stale_after:g}s would make every figure stale before the "
+                f"next scrape; give more than scrape_interval ({self.scrape_interval:g}s)")
+        return self
+
+    @property
+    def stale_bound(self) -> float:
+        """Seconds after which scraped figures are stale: stale_after, or 3 scrape intervals."""
+        return self.stale_after if self.stale_after is not None else 3 * self.scrape_interval
+
+    @property
+    def scrape_url(self) -> str | None:
+        """The /metrics URL to scrape, or None when this upstream is not scraped."""
+        return None if self.scrape is False else self.metrics_url
 
     @field_validator("controller")
     @classmethod

@@ -12,12 +12,18 @@ the state it counts, so the identities hold exactly whenever the event loop can 
 scrape; with nothing queued or in flight they are the bare identities of DESIGN.md.
 
 Gauges that mirror live state (limit, in-flight, queue depth, knee estimate) are read at
-scrape time by a small Collector, never pushed from the hot path.
+scrape time by a small Collector, never pushed from the hot path. So are the scraped engine
+figures of each upstream that is scraped: `kneegate_engine_{running,waiting,kv_cache_usage}`
+only while fresh (stale figures are absent, not repeated), `kneegate_engine_stats_age_seconds`
+and `kneegate_engine_stale` (1 when there are no figures younger than `stale_after`), and
+`kneegate_upstream_stalled` (running requests, no new tokens). Scrapes are counted by outcome
+in `kneegate_engine_scrapes_total`.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -26,6 +32,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from controllers.base import Outcome
+from gateway.telemetry import Telemetry
+from gateway.types import Clock
 
 __all__ = ["FINISHED", "GatewayMetrics", "LiveUpstream"]
 
@@ -61,14 +69,44 @@ class LiveUpstream(Protocol):
     @property
     def knee_estimate(self) -> float | None: ...
 
+    def telemetry(self, now: float) -> Telemetry | None: ...
+
+
+def _engine_families() -> dict[str, GaugeMetricFamily]:
+    def gauge(name: str, doc: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=["upstream"])
+
+    return {
+        "running": gauge("kneegate_engine_running", "Requests the engine runs (fresh scrape)"),
+        "waiting": gauge("kneegate_engine_waiting", "Requests queued in the engine (fresh scrape)"),
+        "kv": gauge("kneegate_engine_kv_cache_usage", "Engine KV-cache use 0..1 (fresh scrape)"),
+        "age": gauge("kneegate_engine_stats_age_seconds", "Age of the last good engine scrape"),
+        "stale": gauge("kneegate_engine_stale", "1 when no engine figures are fresh enough to use"),
+        "stalled": gauge("kneegate_upstream_stalled",
+                         "1 when the engine runs requests but makes no new tokens"),
+    }
+
+
+def _add_engine(fams: dict[str, GaugeMetricFamily], name: str, t: Telemetry) -> None:
+    fams["stale"].add_metric([name], 1.0 if t.stale else 0.0)
+    fams["stalled"].add_metric([name], 1.0 if t.stalled else 0.0)
+    if t.age is not None:
+        fams["age"].add_metric([name], t.age)
+    if t.stats is not None and not t.stale:
+        fams["running"].add_metric([name], t.stats.running)
+        fams["waiting"].add_metric([name], t.stats.waiting)
+        if not math.isnan(t.stats.kv_cache_usage):
+            fams["kv"].add_metric([name], t.stats.kv_cache_usage)
+
 
 class _LiveCollector(Collector):
     def __init__(
         self,
         upstreams: Callable[[], Iterable[LiveUpstream]],
         queue_depths: Callable[[], Iterable[tuple[str, int]]],
+        clock: Clock,
     ) -> None:
-        self._upstreams, self._depths = upstreams, queue_depths
+        self._upstreams, self._depths, self._clock = upstreams, queue_depths, clock
 
     def collect(self) -> Iterator[Metric]:
         ups = list(self._upstreams())
@@ -84,13 +122,19 @@ class _LiveCollector(Collector):
                 "kneegate_knee_estimate", "Controller's knee estimate (NaN when none)",
                 labels=["upstream"]),
         }
+        engine = _engine_families()
+        now = self._clock()
         for u in ups:
             knee = u.knee_estimate
             families["limit"].add_metric([u.name], u.limit)
             families["in_flight"].add_metric([u.name], u.inflight)
             families["usable"].add_metric([u.name], 1.0 if u.usable else 0.0)
             families["knee"].add_metric([u.name], math.nan if knee is None else knee)
+            t = u.telemetry(now)
+            if t is not None:
+                _add_engine(engine, u.name, t)
         yield from families.values()
+        yield from engine.values()
         depth = GaugeMetricFamily(
             "kneegate_queue_depth", "Requests waiting for a slot, by class", labels=["class"])
         for cls, n in self._depths():
@@ -132,6 +176,9 @@ class GatewayMetrics:
             buckets=_TPOT_BUCKETS, registry=r)
         self.output_tokens = Counter(
             "kneegate_output_tokens", "Output tokens relayed", ["upstream"], registry=r)
+        self.scrapes = Counter(
+            "kneegate_engine_scrapes", "Engine /metrics scrapes by outcome (ok, timeout, error, "
+            "http_error, unparsable)", ["upstream", "outcome"], registry=r)
         self.reloads = Counter(
             "kneegate_config_reloads", "Config reloads by result", ["result"], registry=r)
         self._live: _LiveCollector | None = None
@@ -149,12 +196,17 @@ class GatewayMetrics:
         self,
         upstreams: Callable[[], Iterable[LiveUpstream]],
         queue_depths: Callable[[], Sequence[tuple[str, int]]],
+        clock: Clock = time.monotonic,
     ) -> None:
-        """Register the scrape-time reader of limit, in-flight, queue depth and knee."""
+        """Register the scrape-time reader of limit, in-flight, queue depth, knee and the
+        engine figures (aged on `clock`)."""
         if self._live is not None:
             self.registry.unregister(self._live)
-        self._live = _LiveCollector(upstreams, queue_depths)
+        self._live = _LiveCollector(upstreams, queue_depths, clock)
         self.registry.register(self._live)
+
+    def count_scrape(self, upstream: str, outcome: str) -> None:
+        self.child(self.scrapes, upstream, outcome).inc()
 
     def count_finished(
         self, upstream: str, outcome: Outcome, ttft: float | None, tpot: float | None,

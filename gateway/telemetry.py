@@ -9,6 +9,10 @@ any other labels (one vLLM process may serve several engine cores):
     preemptions   vllm:num_preemptions_total    <- vllm:num_preemptions
     generated     vllm:generation_tokens_total
 
+`gateway.upstreams` scrapes each upstream that asks for it every `scrape_interval` (1 s by
+default: the `knee` controller was tuned in the simulator on 1 s scrapes arriving 1.5 s late)
+and feeds the figures to its controller unless they are older than `stale_after`.
+
 Scraped figures lag by a scrape interval or more: controllers combine them with the gateway's
 own in-flight count (instant) and never rely on them alone. `Progress` turns successive
 scrapes into a health verdict: an engine with running requests whose generation counter does
@@ -25,7 +29,7 @@ from prometheus_client.samples import Sample
 
 from controllers.base import EngineStats
 
-__all__ = ["Progress", "parse_engine_metrics"]
+__all__ = ["Progress", "Telemetry", "parse_engine_metrics"]
 
 _NAMES: dict[str, tuple[str, ...]] = {
     "running": ("vllm:num_requests_running",),
@@ -35,16 +39,23 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "generation_tokens_total": ("vllm:generation_tokens",),
 }
 # prometheus_client's parser strips `_total` from counter family names, so the counters above
-# are listed by their family name; samples keep the suffix and are matched by family.
+# are listed by their family name; samples keep the suffix and are matched by family. A
+# counter exposed without its TYPE line keeps the suffix in its family name: it is stripped
+# here too. A family with no samples reads as 0 for the gauges (no engine core has work) and
+# as unknown for the rest: a counter that reads 0 forever would look like a stalled engine.
+_ZERO_WHEN_EMPTY = ("running", "waiting")
 
 
 def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
     """EngineStats from an exposition text; None when the text has no vLLM scheduler gauges."""
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
+        name = family.name.removesuffix("_total")
         for field_name, names in _NAMES.items():
-            if family.name in names and field_name not in sums:
-                values = _values(family.samples, family.name)
+            if name in names and field_name not in sums:
+                values = _values(family.samples, name)
+                if not values and field_name not in _ZERO_WHEN_EMPTY:
+                    continue
                 # a fraction does not add up across engine cores: take the fullest
                 sums[field_name] = max(values) if field_name == "kv_cache_usage" else sum(values)
     if "running" not in sums or "waiting" not in sums:
@@ -62,7 +73,7 @@ def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
 def _values(samples: list[Sample], family: str) -> list[float]:
     # counters expose `<family>_total` (and `_created`); gauges expose the family name itself
     wanted = (family, family + "_total")
-    return [float(s.value) for s in samples if s.name in wanted] or [0.0]
+    return [float(s.value) for s in samples if s.name in wanted]
 
 
 @dataclass
@@ -83,6 +94,17 @@ class Progress:
         self._last_tokens = tokens
         self._last = stats
 
+    @property
+    def last(self) -> EngineStats | None:
+        """The last scrape noted, fresh or not."""
+        return self._last
+
+    def view(self, now: float, stalled: bool) -> Telemetry:
+        """What the status page and /metrics show for this engine at `now`."""
+        last = self._last
+        age = None if last is None else max(0.0, now - last.at)
+        return Telemetry(last, age, age is None or age > self.stale_after, stalled)
+
     def stuck(self, now: float) -> bool:
         """True when the engine had running requests and produced nothing for stall_after."""
         if self._advanced_at is None or self._last is None:
@@ -94,3 +116,13 @@ class Progress:
         if self._last is None or now - self._last.at > self.stale_after:
             return None
         return self._last
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """One upstream's engine figures as shown on the status page and /metrics."""
+
+    stats: EngineStats | None  # the last good scrape, None before the first
+    age: float | None  # seconds since `stats` was taken
+    stale: bool  # no figures, or older than stale_after: not evidence, not exported
+    stalled: bool  # the upstream is unusable: running requests and no new tokens

@@ -4,17 +4,29 @@
 what the proxy and the status page need, so the pure queue hands the proxy the very object
 it dispatched to.
 
-Health: a connect failure marks an upstream unusable at once (admission stops choosing
-it); the tick then probes `health_path` with growing back-off (0.5 s doubling to 8 s) and
-a 2xx makes it usable again. A reload that removes an upstream keeps it *draining*: its
-in-flight requests finish against it and it leaves the pool when the last one does.
+Health is `/health` AND progress. A connect failure marks an upstream unhealthy at once
+(admission stops choosing it); the tick then probes `health_path` with growing back-off
+(0.5 s doubling to 8 s) and a 2xx makes it healthy again. An upstream that is scraped
+(`scrape: true` or a `metrics_url`) is also judged on progress: when its scrapes show
+running requests and a generation-token counter that has not advanced for `stall_after`
+seconds it is *stalled* and unusable, whatever its /health says, and a later scrape that
+shows progress (new tokens, or nothing running) makes it usable again.
+
+Telemetry: a healthy scraped upstream's /metrics is read every `scrape_interval`; a scrape
+that does not answer within `stale_after` (default 3 intervals) is abandoned, and good
+figures go to the controller (`on_engine_stats`), stamped at the scrape's midpoint. Each
+scrape is counted by outcome (ok, timeout, error, http_error, unparsable).
+
+A reload that removes an upstream keeps it *draining*: its in-flight requests finish
+against it and it leaves the pool when the last one does.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +34,9 @@ from controllers.base import EngineStats, LimitController
 from controllers.registry import build_controller
 from gateway.admission import UpstreamState
 from gateway.config import UpstreamConfig
-from gateway.errors import UpstreamError
-from gateway.telemetry import parse_engine_metrics
+from gateway.errors import UpstreamError, UpstreamTimeout
+from gateway.telemetry import Progress, Telemetry, parse_engine_metrics
+from gateway.types import Clock
 from gateway.upstream_client import UpstreamClient
 
 __all__ = ["Upstream", "UpstreamPool"]
@@ -32,6 +45,9 @@ log = logging.getLogger("kneegate.upstreams")
 
 _PROBE_TIMEOUT = 2.0
 _BACKOFF_MIN, _BACKOFF_MAX = 0.5, 8.0
+
+# (upstream name, outcome) -> counted; outcomes: ok, timeout, error, http_error, unparsable
+ScrapeCounter = Callable[[str, str], None]
 
 
 @dataclass(slots=True, eq=False)
@@ -43,7 +59,10 @@ class Upstream(UpstreamState):
     backoff: float = _BACKOFF_MIN
     next_probe_at: float = 0.0
     next_scrape_at: float = 0.0
-    engine: EngineStats | None = None
+    engine: EngineStats | None = None  # the last good scrape
+    progress: Progress | None = None  # None when this upstream is not scraped
+    healthy: bool = True  # connects and answers /health
+    stalled: bool = False  # scrapes show running requests and no new tokens for stall_after
     busy: bool = False  # a probe or scrape is running
 
     @property
@@ -55,33 +74,68 @@ class Upstream(UpstreamState):
         knee = getattr(self.controller, "knee_estimate", None)
         return None if knee is None else float(knee)
 
-    def status(self) -> dict[str, Any]:
-        state = self.controller.state()
+    def telemetry(self, now: float) -> Telemetry | None:
+        """The engine's scraped figures at `now`; None when this upstream is not scraped."""
+        return None if self.progress is None else self.progress.view(now, self.stalled)
+
+    def refresh_usable(self) -> None:
+        self.usable = self.healthy and not self.stalled
+
+    def status(self, now: float) -> dict[str, Any]:
         return {
             "name": self.name,
             "url": self.url,
             "usable": self.usable,
+            "healthy": self.healthy,
             "limit": self.limit,
             "in_flight": self.inflight,
-            "controller": state,
-            "engine": None if self.engine is None else {
-                "running": self.engine.running, "waiting": self.engine.waiting,
-                "kv_cache_usage": self.engine.kv_cache_usage,
-            },
+            "controller": self.controller.state(),
+            "engine": _engine_status(self.telemetry(now)),
         }
+
+
+def _engine_status(t: Telemetry | None) -> dict[str, Any] | None:
+    if t is None:
+        return None
+    out: dict[str, Any] = {"stale": t.stale, "stalled": t.stalled,
+                           "age": None if t.age is None else round(t.age, 3)}
+    if t.stats is not None:
+        out.update(running=t.stats.running, waiting=t.stats.waiting,
+                   kv_cache_usage=t.stats.kv_cache_usage,
+                   generation_tokens_total=t.stats.generation_tokens_total)
+    return out
+
+
+def _progress(cfg: UpstreamConfig) -> Progress | None:
+    if cfg.scrape_url is None:
+        return None
+    return Progress(stall_after=cfg.stall_after, stale_after=cfg.stale_bound)
+
+
+def _telemetry_key(cfg: UpstreamConfig | None) -> tuple[Any, ...] | None:
+    return None if cfg is None else (cfg.scrape_url, cfg.stall_after, cfg.stale_bound)
 
 
 def _build(cfg: UpstreamConfig) -> Upstream:
     ctl: LimitController = build_controller(cfg.controller, cfg.params)
-    return Upstream(name=cfg.name, controller=ctl, url=cfg.url, config=cfg)
+    return Upstream(name=cfg.name, controller=ctl, url=cfg.url, config=cfg,
+                    progress=_progress(cfg))
 
 
 class UpstreamPool:
     """The configured upstreams plus the ones a reload removed that still have requests."""
 
-    def __init__(self, configs: list[UpstreamConfig]) -> None:
+    def __init__(
+        self,
+        configs: list[UpstreamConfig],
+        *,
+        clock: Clock = time.monotonic,
+        count_scrape: ScrapeCounter | None = None,
+    ) -> None:
         self.active: list[Upstream] = [_build(c) for c in configs]
         self.draining: list[Upstream] = []
+        self.clock = clock
+        self.count_scrape: ScrapeCounter = count_scrape or (lambda name, outcome: None)
 
     def all(self) -> list[Upstream]:
         self.draining = [u for u in self.draining if u.inflight > 0]
@@ -99,6 +153,9 @@ class UpstreamPool:
             prev = up.config
             if prev is None or (prev.controller, prev.params) != (cfg.controller, cfg.params):
                 up.controller = build_controller(cfg.controller, cfg.params)
+            if _telemetry_key(prev) != _telemetry_key(cfg):
+                up.progress, up.engine, up.stalled = _progress(cfg), None, False
+                up.refresh_usable()
             up.url, up.config = cfg.url, cfg
             new.append(up)
         self.draining.extend(u for u in old.values() if u.inflight > 0)
@@ -106,22 +163,23 @@ class UpstreamPool:
         return new
 
     def mark_failed(self, up: Upstream, now: float) -> None:
-        if up.usable:
+        if up.healthy:
             log.warning("upstream %s unusable: connect failed; probing %s", up.name, up.url)
             up.backoff = _BACKOFF_MIN
-        up.usable = False
+        up.healthy = False
+        up.refresh_usable()
         up.next_probe_at = now + up.backoff
 
     def background(self, client: UpstreamClient, now: float) -> list[asyncio.Task[None]]:
         """Start due health probes and engine scrapes (called from the tick)."""
         tasks = []
         for up in self.active:
-            if up.busy:
+            if up.busy or up.config is None:
                 continue
-            if not up.usable and now >= up.next_probe_at:
+            if not up.healthy and now >= up.next_probe_at:
                 up.busy = True
                 tasks.append(asyncio.create_task(self._probe(client, up, now)))
-            elif up.config and up.config.metrics_url and now >= up.next_scrape_at:
+            elif up.healthy and up.config.scrape_url and now >= up.next_scrape_at:
                 up.busy = True
                 up.next_scrape_at = now + up.config.scrape_interval
                 tasks.append(asyncio.create_task(self._scrape(client, up, now)))
@@ -137,21 +195,57 @@ class UpstreamPool:
         finally:
             up.busy = False
         if ok:
-            log.warning("upstream %s usable again", up.name)
-            up.usable = True
+            log.warning("upstream %s healthy again%s", up.name,
+                        "; still stalled" if up.stalled else "")
+            up.healthy = True
+            up.refresh_usable()
         else:
             up.backoff = min(_BACKOFF_MAX, up.backoff * 2)
             up.next_probe_at = now + up.backoff
 
-    async def _scrape(self, client: UpstreamClient, up: Upstream, now: float) -> None:
-        assert up.config is not None and up.config.metrics_url is not None
+    async def _scrape(self, client: UpstreamClient, up: Upstream, started: float) -> None:
         try:
-            with contextlib.suppress(UpstreamError):
-                status, text = await client.get_text(up.config.metrics_url, _PROBE_TIMEOUT)
-                stats = parse_engine_metrics(text, now) if status == 200 else None
-                if stats is not None:
-                    up.engine = stats
-                    up.controller.on_engine_stats(stats)
+            outcome = await self._fetch(client, up, started)
         finally:
             up.busy = False
+        self.count_scrape(up.name, outcome)
 
+    async def _fetch(self, client: UpstreamClient, up: Upstream, started: float) -> str:
+        cfg = up.config
+        assert cfg is not None and cfg.scrape_url is not None
+        try:
+            # figures that arrive after stale_after would not be used: stop waiting then
+            status, text = await client.get_text(cfg.scrape_url, cfg.stale_bound)
+        except UpstreamTimeout:
+            return "timeout"
+        except UpstreamError:
+            return "error"
+        done = self.clock()
+        if status != 200:
+            return "http_error"
+        try:
+            # the engine rendered its figures somewhere between asking and answering
+            stats = parse_engine_metrics(text, (started + done) / 2)
+        except ValueError:
+            stats = None
+        if stats is None:
+            return "unparsable"
+        self.note_engine(up, stats, done)
+        return "ok"
+
+    def note_engine(self, up: Upstream, stats: EngineStats, now: float) -> None:
+        """Take one good scrape: keep it, feed the controller, judge progress."""
+        if up.progress is None or up.config is None:
+            return  # a reload turned scraping off while this scrape ran
+        up.engine = stats
+        up.progress.note(stats)
+        up.controller.on_engine_stats(stats)
+        stalled = up.progress.stuck(now)
+        if stalled != up.stalled:
+            if stalled:
+                log.warning("upstream %s unusable: %g running and no new tokens for %gs",
+                            up.name, stats.running, up.config.stall_after)
+            else:
+                log.warning("upstream %s makes progress again", up.name)
+            up.stalled = stalled
+            up.refresh_usable()

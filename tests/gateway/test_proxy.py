@@ -274,8 +274,10 @@ async def test_engine_metrics_are_scraped_for_the_controller() -> None:
                 while not seen:
                     await asyncio.sleep(0.02)
             status = (await client.get(gw + "/kneegate/status")).json()
-            assert status["upstreams"][0]["engine"] == {
+            engine_status = status["upstreams"][0]["engine"]
+            assert {k: engine_status[k] for k in ("running", "waiting", "kv_cache_usage")} == {
                 "running": 0.0, "waiting": 0.0, "kv_cache_usage": None}
+            assert engine_status["stale"] is False and engine_status["stalled"] is False
             assert seen[0].running == 0
 
 

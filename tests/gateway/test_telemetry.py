@@ -76,3 +76,21 @@ def test_stale_scrapes_are_not_evidence() -> None:
     p.note(stats(10.0, running=1, tokens=1))
     assert p.fresh(14.0) is not None
     assert p.fresh(15.1) is None
+
+
+def test_untyped_counters_are_read_and_empty_counters_are_unknown() -> None:
+    text = (
+        "vllm:num_requests_running 2\n"
+        "vllm:num_requests_waiting 0\n"
+        "vllm:generation_tokens_total 77\n"  # no TYPE line: the family keeps `_total`
+        "# TYPE vllm:num_preemptions_total counter\n"  # declared, no sample yet
+    )
+    s = parse_engine_metrics(text, at=0.0)
+    assert s is not None and s.generation_tokens_total == 77.0
+    assert math.isnan(s.preemptions_total)  # not 0: an empty counter is unknown
+
+
+def test_empty_scheduler_gauges_read_as_nothing_running() -> None:
+    text = "# TYPE vllm:num_requests_running gauge\n# TYPE vllm:num_requests_waiting gauge\n"
+    s = parse_engine_metrics(text, at=0.0)
+    assert s is not None and (s.running, s.waiting) == (0.0, 0.0)
