@@ -130,9 +130,9 @@ class Gate:
         for t in tickets:
             self._count_admitted(t)
             fut: asyncio.Future[Rejected | None] = t.payload
-            if fut.done():  # its waiter is gone already: give the slot straight back
-                self._permit(t).finish(Outcome.CLIENT_CANCELLED)
-            else:
+            # A done future here was cancelled with its waiter, whose _abandon (still to run)
+            # gives the slot back; doing it here too would release it twice.
+            if not fut.done():
                 fut.set_result(None)
 
     def _finish(self, permit: Permit, outcome: Outcome, sample: Sample | None) -> None:

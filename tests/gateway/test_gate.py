@@ -183,9 +183,6 @@ async def test_a_growing_limit_dispatches_at_the_tick() -> None:
     assert up.inflight == 2
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="gate double-releases a slot: _wake gives it back for a cancelled "
-                          "waiter and _abandon gives it back again (found by test_e2e_knee)")
 async def test_waiter_cancelled_just_before_its_slot_comes_releases_it_once() -> None:
     gate, up, _ = make_gate(limit=1)
     first = await gate.acquire("lo")
