@@ -91,12 +91,14 @@ def _line(t: float, clients: int, engine: tuple[float, float], gw: dict[str, Any
     ttft = sorted(tally.ttfts)
     p50 = f"{ttft[len(ttft) // 2] * 1000:.0f}ms" if ttft else "-"
     up = gw["upstreams"][0]
+    knee = up["controller"].get("knee_estimate")
+    knee_s = f"{knee:.0f}" if isinstance(knee, (int, float)) and knee < 1e6 else "-"
     return (f"{t:5.0f}s {clients:7d} {engine[0]:7.0f} {engine[1]:7.0f} {up['limit']:7d}"
-            f" {up['in_flight']:8d} {gw['queue_total']:6d} {tally.ok:6d} {tally.shed:6d}"
-            f" {tally.timed_out:6d} {p50:>8}")
+            f" {knee_s:>6} {up['in_flight']:8d} {gw['queue_total']:6d} {tally.ok:6d}"
+            f" {tally.shed:6d} {tally.timed_out:6d} {p50:>8}")
 
 
-_HEADER = (f"{'t':>6} {'clients':>7} {'running':>7} {'waiting':>7} {'limit':>7} "
+_HEADER = (f"{'t':>6} {'clients':>7} {'running':>7} {'waiting':>7} {'limit':>7} {'knee':>6} "
            f"{'inflight':>8} {'queued':>6} {'done':>6} {'429s':>6} {'503s':>6} {'ttft p50':>8}")
 
 
@@ -113,7 +115,7 @@ async def _demo(seconds: float, limit: int, peak: int, controller: str,
     async with _serving(build_engine("cpu-tiny")) as up:
         cfg = parse_config({
             "upstreams": [{"name": "emulator", "url": up, "controller": controller,
-                           "params": {"initial": limit}}],
+                           "params": {"initial": limit}, "scrape": True}],
             "max_queue": max(4, limit), "classes": {"default": {"max_wait": 3.0}}})
         gateway = build_app(cfg)
         async with _serving(gateway) as gw:
@@ -127,8 +129,9 @@ async def _ramp(gw: str, up: str, status: Any, seconds: float, peak: int,
     steps = sorted({1, 2, 4, *range(8, peak + 1, 8), peak})
     per_step = seconds / len(steps)
     tasks: list[asyncio.Task[None]] = []
-    print("engine: running/waiting as the emulator reports them; gateway: limit, inflight, "
-          "queued; clients: done, shed (429), timed out (503) per second")
+    most_in_engine = most_limit = 0.0
+    print("engine: running/waiting as the emulator reports them; gateway: limit, knee "
+          "estimate, inflight, queued; clients: done, shed (429), timed out (503) per second")
     print(_HEADER)
     start = time.monotonic()
     try:
@@ -138,19 +141,22 @@ async def _ramp(gw: str, up: str, status: Any, seconds: float, peak: int,
             step_end = start + per_step * (steps.index(n) + 1)
             while (now := time.monotonic()) < step_end:
                 await asyncio.sleep(min(1.0, step_end - now))
-                engine = await _engine_load(client, up)
-                print(_line(now - start, n, engine, status(), tally.take()), flush=True)
+                engine, gw_status = await _engine_load(client, up), status()
+                most_in_engine = max(most_in_engine, engine[0] + engine[1])
+                most_limit = max(most_limit, gw_status["upstreams"][0]["limit"])
+                print(_line(now - start, n, engine, gw_status, tally.take()), flush=True)
     finally:
         stop.set()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
-    print("the engine never held more than the gateway's limit; the rest waited in the "
-          "gateway's queue or were told when to retry")
+    print(f"at most {most_in_engine:.0f} requests were inside the engine (running + waiting, "
+          f"sampled once a second) with the limit peaking at {most_limit:.0f}; the other "
+          f"clients waited in the gateway's queue or were told when to retry")
 
 
-def run_demo(seconds: float = 40.0, limit: int = 8, peak: int = 48, controller: str = "fixed",
+def run_demo(seconds: float = 60.0, limit: int = 8, peak: int = 96, controller: str = "knee",
              max_requests: int = 100_000) -> int:
     """Run the demo in this process; returns an exit status."""
     import uvloop
