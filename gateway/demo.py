@@ -14,13 +14,12 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.app import build_app
 from gateway.config import parse_config
-from gateway.server import QuietServer, bind, uvicorn_config
+from gateway.server import serving
 from gateway.telemetry import parse_engine_metrics
 from gateway.upstream_client import UpstreamClient
 
@@ -43,23 +42,6 @@ class _Tally:
         self.ok = self.shed = self.timed_out = self.failed = 0
         self.ttfts = []
         return out
-
-
-@contextlib.asynccontextmanager
-async def _serving(app: Any) -> AsyncIterator[str]:
-    server = QuietServer(uvicorn_config(app, log_level="error"))
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def _client(client: UpstreamClient, gw: str, tally: _Tally, stop: asyncio.Event,
@@ -112,13 +94,13 @@ async def _demo(seconds: float, limit: int, peak: int, controller: str,
                 max_requests: int) -> None:
     from benchmarks.engine.server import build_app as build_engine
 
-    async with _serving(build_engine("cpu-tiny")) as up:
+    async with serving(build_engine("cpu-tiny"), log_level="error") as up:
         cfg = parse_config({
             "upstreams": [{"name": "emulator", "url": up, "controller": controller,
                            "params": {"initial": limit}, "scrape": True}],
             "max_queue": max(4, limit), "classes": {"default": {"max_wait": 3.0}}})
         gateway = build_app(cfg)
-        async with _serving(gateway) as gw:
+        async with serving(gateway, log_level="error") as gw:
             await _ramp(gw, up, gateway.gateway.status, seconds, peak, max_requests)
 
 

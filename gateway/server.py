@@ -22,7 +22,7 @@ import multiprocessing
 import os
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -30,7 +30,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.config import GatewayConfig, split_for_worker
 
-__all__ = ["QuietServer", "bind", "embedded_upstream", "run", "uvicorn_config"]
+__all__ = ["QuietServer", "bind", "embedded_upstream", "run", "serving", "uvicorn_config"]
 
 log = logging.getLogger("kneegate")
 
@@ -70,6 +70,36 @@ class QuietServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    app: Any, sock: socket.socket | None = None, *, log_level: str = "warning",
+    start_timeout: float = 10.0,
+) -> AsyncIterator[str]:
+    """Serve `app` in this event loop (loopback, a free port unless `sock` is given).
+
+    Yields the base URL once uvicorn is accepting; stops it on exit. The demo and the
+    tests run the gateway and the emulator side by side this way.
+    """
+    own = sock is None
+    sock = sock or bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = QuietServer(uvicorn_config(app, log_level=log_level))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(start_timeout):
+            while not server.started:
+                if task.done():
+                    task.result()  # start-up failed: raise its error
+                await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(start_timeout + 25):  # graceful shutdown is bounded at 25
+            await task
+        if own:
+            sock.close()
 
 
 def _emulator_app() -> Any:

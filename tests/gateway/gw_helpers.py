@@ -5,39 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig, parse_config
-from gateway.server import uvicorn_config
-
-
-@contextlib.asynccontextmanager
-async def serve(app: Any, sock: socket.socket | None = None) -> AsyncIterator[str]:
-    """Serve `app` with uvicorn (httptools) on a loopback port; yield its base URL."""
-    if sock is None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    with anyio.fail_after(10):
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        with anyio.fail_after(10):
-            await task
-        sock.close()
+from gateway.server import serving as serve  # noqa: F401 - the tests' name for it
 
 
 def gw_config(upstream: str | None = None, **overrides: Any) -> GatewayConfig:
