@@ -33,18 +33,19 @@ def free_port() -> int:
 @contextlib.contextmanager
 def kneegate(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port),
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        yield proc, f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+    # `with` closes the output pipe; the gateway writes a few log lines, far below its buffer
+    with subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port),
+                           *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            yield proc, f"http://127.0.0.1:{port}"
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 async def until_up(client: httpx.AsyncClient, url: str, proc: subprocess.Popen[bytes]) -> None:
