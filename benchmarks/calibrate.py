@@ -120,6 +120,34 @@ def print_gpus(prompt: int, output: int) -> None:
         )
 
 
+# Published figures, each next to the emulator's figure for the same shape of load. Sources
+# are third-party benchmark write-ups (read 2026-11-30); hardware does not always match
+# exactly, which the note says.
+PUBLISHED = [
+    # (profile, prompt, output, clients, what, published value, source and caveat)
+    ("a100-llama8b", 1024, 128, 1, "decode tok/s", 75.0,
+     "johnmusgrave.com vLLM 0.23 sweep; A100-40GB (1.56 TB/s vs the 80GB's 2.04: x1.31)"),
+    ("a100-llama8b", 1024, 128, 8, "knee (clients)", 8.0,
+     "same sweep: 'the knee sits at C=8' (their judgement, not the 5% rule)"),
+    ("h100-llama8b", 512, 256, 512, "peak tok/s", 12500.0,
+     "morphllm.com vLLM benchmarks, 1xH100 BF16; prompt/output lengths not stated"),
+]
+
+
+def print_published() -> None:
+    print("\nPublished figures vs the emulator (same prompt/output lengths)")
+    for name, prompt, output, clients, what, value, source in PUBLISHED:
+        if what == "knee (clients)":
+            levels = [1, 2, 4, 8, 16, 32, 64]
+            res = sweep(name, levels, prompt=prompt, output=output, seconds=60.0)
+            level = find_knee(levels, [r.throughput for r in res]).level
+            ours = float("nan") if level is None else float(level)
+        else:
+            ours = sweep(name, [clients], prompt=prompt, output=output, seconds=60.0)[0].throughput
+        print(f"  {name:>14} {what:<15} emulated {ours:>8.0f}  published {value:>8.0f}"
+              f"  ({source})")
+
+
 def fit_error(overrides: dict[str, float]) -> float:
     """Squared log error over the reference table; throughput weighs triple."""
     res = sweep("cpu-tiny", LEVELS, seconds=20.0, overrides=overrides)
@@ -166,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     print_variant("small-kv", sweep("small-kv", small_levels, overrides=overrides))
     if not args.no_gpus:
         print_gpus(args.gpu_prompt, args.gpu_output)
+        print_published()
 
 
 if __name__ == "__main__":
