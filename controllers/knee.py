@@ -15,11 +15,17 @@ The knee is the lowest of:
   would be full). Falls at once, rises smoothed.
 - the curve's: the saturating model tput = a c / (1 + c/k) fitted by least squares as the
   line c / tput = 1/a + c/(a k) (a slope within 3 standard errors of 0 is no bend); the
-  knee is where its elasticity 1 / (1 + c/k) falls to that of a 20% step adding
-  `step_gain`. Walking up, the curve ends at the first level whose throughput is `decline`
-  under the best so far, or whose Kleinrock power (throughput / (TTFT p90 + TPOT p50 x mean
-  output tokens)) is under `power_floor` x the best: the false second peak after a
-  preemption storm beyond is never read, and the knee is at most the last level kept.
+  knee is where its elasticity 1 / (1 + c/k) falls to e_min, that of a 20% step adding
+  `step_gain`.
+- the plateau's, measured rather than fitted (a flat plateau need not bend the model): the
+  lowest level from which every step up of at least `pair` to a kept level has elasticity
+  ln(tput'/tput) / ln(c'/c) under e_min — the operators' rule, a step that adds too little.
+  Only levels whose window held in-flight steady count (a draining burst's mean in-flight
+  understates the level its throughput came from).
+- the last level kept: walking up, the curve ends at the first level whose throughput is
+  `decline` under the best so far, or whose Kleinrock power (throughput / (TTFT p90 + TPOT
+  p50 x mean output tokens)) is under `power_floor` x the best; the false second peak after
+  a preemption storm beyond is never read. The fit and the plateau read only kept levels.
 
     limit = min(headroom x knee, objective ceiling) x share
 
@@ -33,7 +39,10 @@ Regions:
 - low: app-limited (in-flight at the limit for less than `saturation` of the window):
   never grows; still learns points and lowers the limit if the knee falls.
 - linear: no knee in sight: grows by x (1 + `climb` x elasticity) per window (slow start,
-  doubling while throughput rises in proportion), never past `headroom x knee`.
+  doubling while throughput rises in proportion), never past `headroom x knee`; while the
+  engine's room is more than two climb steps away, never more than one climb step past the
+  highest level measured (the initial limit before any), so every level of the climb is
+  measured before the next and a plateau is seen before it is overshot.
 - plateau: holds `headroom x knee`; when the curve's knee binds (not the room), every
   `probe_every` windows one window probes at `knee x (1 + probe_step)`.
 - decline: a TTFT/TPOT breach or a drop cuts to `backoff x` in-flight and marks the level
@@ -68,6 +77,9 @@ class KneeConfig(BaseControllerConfig):
     power_floor: float = Field(
         0.5, ge=0, lt=1, description="power under this x the best ends the curve"
     )
+    pair: float = Field(
+        1.15, gt=1.05, le=2, description="levels this far apart measure a step's gain"
+    )
     probe_every: int = Field(4, ge=1, le=1000, description="windows between upward probes")
     probe_step: float = Field(0.1, gt=0, le=2, description="a probe goes this far above the knee")
     backoff: float = Field(0.9, ge=0.5, lt=1, description="cut on breach or drop")
@@ -98,6 +110,7 @@ class Point:
     tpot_p50: float | None
     over_objective: bool
     at: float
+    steady: bool = False  # in-flight held level in the window, not a draining burst
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -122,6 +135,11 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
     # a slope within 3 standard errors of zero is noise: the curve is still linear
     return (a, b) if b * b * sxx * (n - 2) > 9 * res else (1.0, 0.0)
+
+
+def _gain(p: Point, q: Point) -> float:
+    """Elasticity d ln tput / d ln c between two levels of the curve."""
+    return math.log(q.throughput / p.throughput) / math.log(q.concurrency / p.concurrency)
 
 
 def _blend(old: float | None, new: float | None, w: float) -> float | None:
@@ -199,8 +217,7 @@ class Knee(LimitController):
             self._set_limit(max(1.0, min(target, cut)))
         elif w.saturated >= c.saturation and not self._queued(w):
             # demand exceeds the limit and the engine keeps up: grow, at most one climb step
-            grow = self._limit * (1 + c.climb * self._elasticity(level))
-            self._set_limit(max(1.0, min(target, grow)))
+            self._set_limit(max(1.0, min(target, self._grow(level))))
         else:
             # app-limited or queued: hold — there is no evidence the engine takes more
             self._set_limit(max(1.0, min(self._limit, target)))
@@ -215,6 +232,16 @@ class Knee(LimitController):
         if self._share_est is None or not self._moved:
             self._share_est = _blend(self._share_est, now, self.cfg.smoothing)
         return self._share_est or now
+
+    def _grow(self, level: float) -> float:
+        step = 1 + self.cfg.climb
+        grow = self._limit * (1 + self.cfg.climb * self._elasticity(level))
+        if self._room <= step * step * self._limit:
+            return grow  # the engine's room is within two steps: it stops the climb
+        # else at most one step past the highest level measured (the initial limit before
+        # any): doublings never measured overshoot a flat plateau
+        top = max((p.concurrency for p in self._curve.values()), default=self.cfg.initial)
+        return max(self._limit, min(grow, step * top))
 
     @staticmethod
     def _queued(w: Summary) -> bool:
@@ -255,13 +282,15 @@ class Knee(LimitController):
         a = self.cfg.smoothing
         self._ref_tokens = _blend(self._ref_tokens or None, w.output_tokens_mean, a) or 0.0
         self._forget(w.end)
+        # a level, not a ramp: in-flight stayed near its peak through the window
+        steady = w.inflight >= 0.8 * w.max_inflight
         key = round(math.log(level) / math.log1p(self.cfg.bin_ratio))
         near = self._nearest(level)
         if near is not None and abs(tput - near.throughput) > self.cfg.change * near.throughput:
             self._curve.clear()  # the engine changed: the rest of the curve is stale
         old = self._curve.get(key)
         if old is None:
-            self._curve[key] = Point(level, tput, w.ttft_p90, w.tpot_p50, bad, w.end)
+            self._curve[key] = Point(level, tput, w.ttft_p90, w.tpot_p50, bad, w.end, steady)
             return
         old.concurrency = old.concurrency * (1 - a) + level * a
         old.throughput = old.throughput * (1 - a) + tput * a
@@ -269,6 +298,7 @@ class Knee(LimitController):
         old.tpot_p50 = _blend(old.tpot_p50, w.tpot_p50, a)
         old.over_objective = bad
         old.at = w.end
+        old.steady = steady
 
     def _nearest(self, level: float) -> Point | None:
         """The stored point closest to `level`, if within two bins of it."""
@@ -318,19 +348,37 @@ class Knee(LimitController):
         Fits the saturating curve tput = a c / (1 + c/k), i.e. the line c / tput = 1/a + c/(a k)
         by least squares over the kept points, and returns the level where its elasticity
         d ln tput / d ln c = 1 / (1 + c/k) falls to that of a 20% step adding `step_gain`;
-        never above the last level kept before a decline.
+        never above the plateau's measured start (`_flat`) nor the last level kept before a
+        decline.
         """
         kept, declined = self._kept()
         top = kept[-1].concurrency if kept and declined else math.inf
         a, b = self._fit(kept)
-        if b <= 0 or a <= 0:
-            knee = top  # linear so far, or all plateau (no bend in sight): only a decline says
-        else:
-            e_min = math.log1p(self.cfg.step_gain) / math.log(1.2)
-            knee = min(a / b * (1 / e_min - 1), top)
+        knee = min(top, self._flat(kept))
+        if b > 0 and a > 0:
+            knee = min(a / b * (1 / self._e_min() - 1), knee)
         if not math.isfinite(knee):
             return None, True
         return knee, not declined and knee >= kept[-1].concurrency
+
+    def _e_min(self) -> float:
+        """The elasticity of a 20% step that adds `step_gain`: below it, a step does not pay."""
+        return math.log1p(self.cfg.step_gain) / math.log(1.2)
+
+    def _flat(self, kept: list[Point]) -> float:
+        """The lowest kept level from which no step up of `pair` or more to a kept level pays.
+
+        Measured, not fitted: on a flat plateau the saturating model need not bend, but a
+        pair of levels says directly that the higher one buys nothing.
+        """
+        e_min = self._e_min()
+        # a draining window's mean in-flight understates the level its throughput came from
+        kept = [p for p in kept if p.steady]
+        for i, p in enumerate(kept):
+            above = [q for q in kept[i + 1 :] if q.concurrency >= self.cfg.pair * p.concurrency]
+            if above and all(_gain(p, q) < e_min for q in above):
+                return p.concurrency
+        return math.inf
 
     def _elasticity(self, level: float) -> float:
         """d ln tput / d ln c of the fitted curve at `level`; 1 (linear) without a fit."""

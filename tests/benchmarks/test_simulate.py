@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.engine.profiles import load_profile
+from benchmarks.engine.core import EngineCore
+from benchmarks.engine.profiles import Profile, load_profile
+from benchmarks.engine.virtual import closed_loop
 from benchmarks.simulate import goodput, load_scenario, main, run, scenario_names, true_knee
+from benchmarks.sweep import find_knee
 
 
 def test_every_scenario_file_loads() -> None:
@@ -29,6 +32,30 @@ def test_knee_at_3x_overload_ends_near_the_true_knee() -> None:
     last = res.knee[-len(res.knee) // 4 :]  # the last quarter of the run
     estimate = sum(last) / len(last)
     assert 0.75 * knee <= estimate <= 1.25 * knee, (estimate, knee)
+
+
+def _doubling_knee(profile: Profile, prompt: int, out: int) -> int:
+    """The operators' 5% rule over a closed-loop sweep in doublings, as one runs on an engine."""
+    levels = [4, 8, 16, 32, 64, 128]
+    tput = [
+        closed_loop(
+            lambda: EngineCore(profile, seed=0), c, 30.0, prompt, out, warmup=5.0
+        ).throughput
+        for c in levels
+    ]
+    knee = find_knee(levels, tput).level
+    assert knee is not None
+    return knee
+
+
+def test_knee_on_a_flat_plateau_settles_in_the_knee_region() -> None:
+    # cpu-tiny: room for ~1400 sequences in its KV cache, and throughput flat from ~32 on
+    sc = load_scenario("cpu-tiny-3x").model_copy(update={"duration": 90.0})
+    knee = _doubling_knee(load_profile(sc.profile), sc.prompt_tokens, sc.output_tokens)
+    assert knee == 32
+    res = run(sc, "knee", seed=7)
+    late = [lim for t, lim in zip(res.times, res.limits, strict=True) if t >= 60.0]
+    assert 0.6 * knee <= min(late) and max(late) <= 1.3 * knee, late
 
 
 def test_knee_recovers_after_the_capacity_drop() -> None:

@@ -21,12 +21,36 @@ def engine_window(
     return window(ctl, t, inflight, 400.0)
 
 
-def test_slow_start_doubles_while_no_knee_is_in_sight() -> None:
+def test_slow_start_doubles_once_each_level_is_measured() -> None:
     ctl = make()
     t = window(ctl, 0.0, 16, 400.0)
-    assert ctl.limit == 32  # 16 x (1 + climb)
+    assert ctl.limit == 32  # 16 x (1 + climb): one step past the initial limit
+    t = window(ctl, t, 32, 800.0)
+    assert ctl.limit == 32  # that window measured the move: no level past 16 is known yet
     window(ctl, t, 32, 800.0)
     assert ctl.limit == 64
+
+
+def test_a_flat_plateau_is_a_knee_even_when_the_fit_does_not_bend() -> None:
+    # doubling from 32 to 64 adds 0.5%: the step does not pay, so the knee is 32
+    ctl = make(initial=16, power_floor=0.0, probe_every=100)
+    t = window(ctl, 0.0, 16, 900.0)
+    for c, tput in ((16, 900.0), (32, 1090.0), (32, 1090.0), (64, 1095.0)):
+        t = window(ctl, t, c, tput)
+    assert ctl.knee() == (32, False)
+    assert ctl.limit == 30  # 0.95 x 32, down from 64
+
+
+def test_a_draining_window_is_no_plateau() -> None:
+    # in-flight fell from 32 to 8 in the window: its mean, 20, is no level of its own
+    ctl = make(initial=32, power_floor=0.0, probe_every=100)
+    t = window(ctl, 0.0, 8, 400.0)
+    for c, tput in ((8, 400.0), (16, 700.0)):
+        t = window(ctl, t, c, tput)
+    ctl.on_tick(t, 32)
+    t = window(ctl, t, 20, 705.0)  # its first tick sees 32 in flight: max 32, mean ~20
+    assert ctl.state()["curve"][-1]["concurrency"] == pytest.approx(20.0, abs=0.1)
+    assert ctl.knee() == (None, True)
 
 
 def test_holds_headroom_below_the_engines_room() -> None:
