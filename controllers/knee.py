@@ -19,8 +19,9 @@ The knee is the lowest of:
   `step_gain`.
 - the plateau's, measured rather than fitted (a flat plateau need not bend the model): the
   lowest level from which every step up of at least `pair` to a kept level has elasticity
-  ln(tput'/tput) / ln(c'/c) under e_min — the operators' rule, a step that adds too little.
-  Only levels whose window held in-flight steady count (a draining burst's mean in-flight
+  ln(tput'/tput) / ln(c'/c) under e_min — the operators' rule, a step that adds too little —
+  and from each level within `pair` under it too (one lucky window is no plateau). Only
+  levels whose window held in-flight steady count (a draining burst's mean in-flight
   understates the level its throughput came from).
 - the last level kept: walking up, the curve ends at the first level whose throughput is
   `decline` under the best so far, or whose Kleinrock power (throughput / (TTFT p90 + TPOT
@@ -374,9 +375,12 @@ class Knee(LimitController):
         e_min = self._e_min()
         # a draining window's mean in-flight understates the level its throughput came from
         kept = [p for p in kept if p.steady]
-        for i, p in enumerate(kept):
-            above = [q for q in kept[i + 1 :] if q.concurrency >= self.cfg.pair * p.concurrency]
-            if above and all(_gain(p, q) < e_min for q in above):
+        pair = self.cfg.pair
+        for p in kept:
+            # p and the levels just under it, so one lucky window at p is not a plateau
+            near = [r for r in kept if p.concurrency / pair < r.concurrency <= p.concurrency]
+            above = [q for q in kept if q.concurrency >= pair * p.concurrency]
+            if above and all(_gain(r, q) < e_min for r in near for q in above):
                 return p.concurrency
         return math.inf
 

@@ -41,6 +41,16 @@ def test_a_flat_plateau_is_a_knee_even_when_the_fit_does_not_bend() -> None:
     assert ctl.limit == 30  # 0.95 x 32, down from 64
 
 
+def test_one_lucky_window_is_no_plateau() -> None:
+    # 16 measured high once; 15, just under it, says the step up to 32 still pays
+    ctl = make(initial=64, power_floor=0.0, probe_every=100)
+    t = window(ctl, 0.0, 15, 940.0)
+    for c, tput in ((15, 940.0), (16, 995.0), (32, 1061.0)):
+        t = window(ctl, t, c, tput)
+    knee, _ = ctl.knee()
+    assert knee == pytest.approx(26.65, abs=0.01)  # the fitted curve's knee, not 16
+
+
 def test_a_draining_window_is_no_plateau() -> None:
     # in-flight fell from 32 to 8 in the window: its mean, 20, is no level of its own
     ctl = make(initial=32, power_floor=0.0, probe_every=100)
