@@ -1,0 +1,143 @@
+"""Under 64 clients, the `knee` controller holds a real vLLM in the knee region a sweep finds.
+
+One test, three measurements of the same engine with the same load (prompts of 128 tokens,
+64 output tokens, ignore_eos, streaming, closed loop):
+1. a sweep direct to vLLM at 1, 2, 4, ..., 64 clients (benchmarks.calibrate_vllm's timing:
+   about three request lifetimes measured per level), its knee by the operators' 5% rule
+   and its knee region: the levels where throughput climbs from 2/3 of its peak to 90% of
+   it (the bend; the 5% rule's knee moves between neighbouring levels from run to run);
+2. its 64-client level is also "the same 64 clients direct": their TTFT p99;
+3. the same 64 clients through the gateway, `knee` controller (defaults, starting at 4,
+   scraping vLLM's /metrics every second) for RUN_SECONDS; the last MEASURE_SECONDS count.
+
+Shapes, not figures (2 shared cores, ±20% run to run): most late limit readings lie between
+half the region's low end (headroom, and the noise of one level) and its high end; the TTFT
+of admitted requests (dispatch to first token, as the gateway sees it) has a p99 well under
+the direct one; the gateway keeps most of the plateau's throughput. The clients' own TTFT
+through the gateway includes their queue wait: in a closed loop that is the same time again
+(Little's law), so it is printed, not asserted. About 6.5 minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+from gw_helpers import serve
+from vllm_server import VllmServer
+
+from benchmarks.calibrate_vllm import RealPoint, knee_of, sweep_engine
+from benchmarks.loadgen import LoadConfig, closed_loop
+from controllers.base import Sample
+from gateway.app import KneegateApp, build_app
+from gateway.config import parse_config
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.anyio]
+
+CLIENTS = 64
+LEVELS = [1, 2, 4, 8, 16, 32, 64]
+RUN_SECONDS = 180.0  # the knee controller settled within ~100 s in trial runs
+MEASURE_SECONDS = 60.0  # the last part of the run, where the assertions look
+KNEE_PARAMS: dict[str, Any] = {"initial": 4}  # the rest: KneeConfig's defaults
+
+
+def gateway_app(url: str) -> KneegateApp:
+    return build_app(parse_config({"upstreams": [{
+        "name": "vllm", "url": url, "controller": "knee", "params": KNEE_PARAMS,
+        "scrape": True, "scrape_interval": 1.0}]}))
+
+
+def record_samples(app: KneegateApp) -> list[Sample]:
+    """Every sample the gateway feeds its controller (finished admitted requests)."""
+    ctl = app.gateway.pool.active[0].controller
+    samples: list[Sample] = []
+    feed = ctl.on_sample
+
+    def on_sample(s: Sample) -> None:
+        samples.append(s)
+        feed(s)
+
+    ctl.on_sample = on_sample  # type: ignore[method-assign, assignment]
+    return samples
+
+
+async def watch_limit(app: KneegateApp, t0: float, out: list[tuple[float, int]]) -> None:
+    up = app.gateway.pool.active[0]
+    while True:
+        out.append((time.monotonic() - t0, up.limit))
+        await asyncio.sleep(1.0)
+
+
+def knee_region(points: list[RealPoint]) -> tuple[int, int]:
+    """(first level at 2/3 of the peak throughput, first level at 90% of it)."""
+    peak = max(p.throughput for p in points)
+    low = next(p.level for p in points if p.throughput >= peak * 2 / 3)
+    return low, next(p.level for p in points if p.throughput >= peak * 0.9)
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+def table(points: list[RealPoint]) -> Iterator[str]:
+    yield f"{'clients':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ok':>4}"
+    for p in points:
+        yield (f"{p.level:>7} {p.throughput:>7.1f} {_s(p.ttft_p50):>9} {_s(p.ttft_p99):>9} "
+               f"{_s(p.tpot_p50):>9} {p.ok:>4}")
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}s"
+
+
+async def test_knee_limit_settles_in_the_sweeps_knee_region(vllm: VllmServer) -> None:
+    points = await sweep_engine(vllm.url, LEVELS, model=vllm.model, print_rows=False)
+    knee, direct = knee_of(points), points[-1]
+    low, high = knee_region(points)
+    report = ["direct sweep:", *table(points), f"knee (5% rule): {knee}",
+              f"knee region (2/3 to 90% of the peak): {low}..{high} clients"]
+    print("\n".join(report), flush=True)
+    assert 2 <= low <= high < CLIENTS, "\n".join(report)  # the engine bends inside the sweep
+    assert direct.level == CLIENTS and direct.ttft_p99 is not None
+
+    app = gateway_app(vllm.url)
+    samples = record_samples(app)
+    limits: list[tuple[float, int]] = []
+    async with serve(app) as gw:
+        t0 = time.monotonic()
+        watcher = asyncio.create_task(watch_limit(app, t0, limits))
+        load = LoadConfig(url=gw, model=vllm.model, max_seconds=RUN_SECONDS,
+                          warmup=RUN_SECONDS - MEASURE_SECONDS, max_requests=100 * CLIENTS)
+        with anyio.fail_after(RUN_SECONDS + 60):
+            run = (await closed_loop(load, CLIENTS)).summary()
+        watcher.cancel()
+        estimate = app.gateway.pool.active[0].knee_estimate
+        state = app.gateway.pool.active[0].controller.state()
+
+    start = t0 + RUN_SECONDS - MEASURE_SECONDS
+    late = [limit for t, limit in limits if t >= RUN_SECONDS - MEASURE_SECONDS]
+    admitted = [s.ttft for s in samples if s.admitted_at >= start and s.ttft is not None]
+    lo, hi = low / 2, high
+    inside = sum(lo <= x <= hi for x in late) / len(late)
+    report += [
+        f"gateway, {CLIENTS} clients, knee controller {KNEE_PARAMS}: limit every 5 s "
+        f"{[x for i, (_, x) in enumerate(limits) if i % 5 == 0]}",
+        f"late limits: median {statistics.median(late)}, {inside:.0%} within [{lo:g}, {hi:g}]; "
+        f"knee estimate {estimate}; controller's curve {state.get('curve')}",
+        f"admitted TTFT p50 {statistics.median(admitted):.3f}s p99 {p99(admitted):.3f}s "
+        f"({len(admitted)} requests) vs direct p99 {direct.ttft_p99:.3f}s",
+        f"client-side through the gateway (queue wait included): TTFT p50 {run['ttft_p50']:.3f}s "
+        f"p99 {run['ttft_p99']:.3f}s; {run['throughput_tok_s']:.1f} tok/s vs direct "
+        f"{direct.throughput:.1f} tok/s and the sweep's peak {knee.peak:.1f}",
+    ]
+    print("\n".join(report[len(report) - 4:]), flush=True)
+    why = "\n".join(report)
+    assert inside >= 0.75 and lo <= statistics.median(late) <= hi, why
+    assert len(admitted) >= 50, why
+    assert p99(admitted) < 0.6 * direct.ttft_p99, why
+    assert run["throughput_tok_s"] >= 0.6 * knee.peak, why

@@ -1,0 +1,152 @@
+"""The gateway in front of a real vLLM: same tokens as direct, vLLM's errors untouched, aborts.
+
+Greedy decoding (temperature 0) with ignore_eos makes vLLM's output a function of the
+request, so a request sent direct and the same one through the gateway must give the same
+text, finish reason and usage; anything the gateway added, dropped or re-encoded shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+from gw_helpers import gw_config, scrape, serve, total
+from vllm_server import VllmServer
+
+from gateway.app import build_app
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.anyio]
+
+TOKENS = 24
+PROMPT = "the gateway admits requests below the knee"
+
+
+async def generate(base: str, chat: bool, stream: bool) -> dict[str, Any]:
+    """One greedy request with the openai client: text, finish reason, usage."""
+    kw: dict[str, Any] = {"model": "tiny", "max_tokens": TOKENS, "temperature": 0,
+                          "extra_body": {"ignore_eos": True}}
+    if stream:
+        kw.update(stream=True, stream_options={"include_usage": True})
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0) as c:
+        create: Any = c.chat.completions.create if chat else c.completions.create
+        if chat:
+            kw["messages"] = [{"role": "user", "content": PROMPT}]
+        else:
+            kw["prompt"] = PROMPT
+        out = await create(**kw)
+        if not stream:
+            choice = out.choices[0]
+            text = choice.message.content if chat else choice.text
+            return {"text": text, "finish": choice.finish_reason, "usage": out.usage.model_dump()}
+        chunks = [ch async for ch in out]
+    choices = [ch.choices[0] for ch in chunks if ch.choices]
+    parts = [(ch.delta.content if chat else ch.text) or "" for ch in choices]
+    finish = [ch.finish_reason for ch in choices if ch.finish_reason]
+    assert chunks[-1].usage is not None, "include_usage asks for a last chunk with usage"
+    return {"text": "".join(parts), "finish": finish[-1], "usage": chunks[-1].usage.model_dump()}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_gateway_relays_the_same_tokens_as_direct(
+    vllm: VllmServer, chat: bool, stream: bool
+) -> None:
+    async with serve(build_app(gw_config(vllm.url, limit=4))) as gw:
+        with anyio.fail_after(60):
+            direct = await generate(vllm.url, chat, stream)
+            relayed = await generate(gw, chat, stream)
+    assert relayed == direct
+    assert direct["usage"]["completion_tokens"] == TOKENS
+    assert direct["finish"] == "length"
+    assert len(direct["text"].split()) >= TOKENS // 2  # visible words, not empty strings
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "tiny", "prompt": "x", "max_tokens": 5000},  # over max_model_len (1024): 400
+    {"model": "no-such-model", "prompt": "x", "max_tokens": 4},  # 404
+], ids=["max_tokens", "model"])
+async def test_vllm_error_bodies_pass_through_unchanged(
+    vllm: VllmServer, body: dict[str, Any]
+) -> None:
+    app = build_app(gw_config(vllm.url, limit=4))
+    async with serve(app) as gw, httpx.AsyncClient(timeout=30) as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            req = dict(body)
+            if "chat" in path:
+                req["messages"] = [{"role": "user", "content": req.pop("prompt")}]
+            direct = await client.post(vllm.url + path, json=req)
+            relayed = await client.post(gw + path, json=req)
+            assert direct.status_code in (400, 404), direct.text
+            assert (relayed.status_code, relayed.content) == (direct.status_code, direct.content)
+            assert relayed.headers["content-type"] == direct.headers["content-type"]
+            assert direct.json()["error"]["code"] == direct.status_code
+        assert app.gateway.pool.active[0].inflight == 0
+
+
+async def engine_counts(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    m = scrape((await client.get(url + "/metrics")).text)
+    return {
+        "abort": total(m, "vllm:request_success_total", finished_reason="abort"),
+        "finished": total(m, "vllm:request_success_total"),
+        "busy": total(m, "vllm:num_requests_running") + total(m, "vllm:num_requests_waiting"),
+        "generated": total(m, "vllm:generation_tokens_total"),
+    }
+
+
+async def wait_for(
+    client: httpx.AsyncClient, url: str, ok: Callable[[dict[str, float]], bool], seconds: float
+) -> dict[str, float]:
+    """Poll vLLM's /metrics until `ok(counts)`; fail after `seconds`."""
+    with anyio.fail_after(seconds):
+        while not ok(counts := await engine_counts(client, url)):
+            await asyncio.sleep(0.05)
+    return counts
+
+
+async def test_client_disconnect_mid_stream_aborts_in_vllm_and_frees_the_slot(
+    vllm: VllmServer,
+) -> None:
+    """The request leaves vLLM's scheduler at once and never finishes; the slot is free.
+
+    vLLM 0.32.0 does not count an abort that its API server asks for (a client gone) in
+    vllm:request_success_total{finished_reason="abort"}: OutputProcessor.abort_requests
+    drops the request's state without recording finished-request stats (measured: direct
+    and through the gateway alike, the counter stays 0). What shows the abort is that the
+    request stops running ~0.3 s after the disconnect, although its 900 tokens need ~10 s,
+    its tokens stop, and it is never counted as finished for any other reason.
+    """
+    app = build_app(gw_config(vllm.url, limit=2))
+    up = app.gateway.pool.active[0]
+    req = {"model": "tiny", "prompt": PROMPT, "max_tokens": 900, "stream": True,
+           "ignore_eos": True}
+    async with serve(app) as gw, httpx.AsyncClient(timeout=30) as client:
+        before = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 60)
+        async with client.stream("POST", gw + "/v1/completions", json=req) as r:
+            assert r.status_code == 200
+            with anyio.fail_after(30):
+                async for chunk in r.aiter_raw():
+                    if b'"text":' in chunk:
+                        break  # vLLM is generating; now the client goes away
+            assert up.inflight == 1
+            gone_at = time.monotonic()
+        after = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 5)
+        stopped_after = time.monotonic() - gone_at
+        with anyio.fail_after(5):
+            while up.inflight:
+                await asyncio.sleep(0.01)
+        gw_metrics = scrape((await client.get(gw + "/metrics")).text)
+        later = await engine_counts(client, vllm.url)
+    assert stopped_after < 3.0  # running to its end would take ~10 s
+    generated = after["generated"] - before["generated"]
+    assert 1 <= generated < 900 / 2
+    assert later["generated"] == after["generated"]  # no tokens after it left
+    # counted as an abort where vLLM counts it, never as finished for another reason
+    assert later["finished"] - before["finished"] == later["abort"] - before["abort"]
+    assert total(gw_metrics, "kneegate_requests_finished_total", outcome="client_cancelled") == 1
+    assert total(gw_metrics, "kneegate_in_flight") == 0

@@ -1,0 +1,75 @@
+"""Engine telemetry on vLLM's real /metrics: the parser's names, and the gateway's scraper."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from gw_helpers import scrape, serve, total
+from vllm_server import VllmServer
+
+from gateway.app import build_app
+from gateway.config import parse_config
+from gateway.telemetry import parse_engine_metrics
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.anyio]
+
+REQ = {"model": "tiny", "prompt": "the engine", "max_tokens": 16, "ignore_eos": True}
+
+
+async def test_parser_reads_vllms_real_metric_names(vllm: VllmServer) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        first = parse_engine_metrics((await client.get(vllm.url + "/metrics")).text, 1.0)
+        done = await client.post(vllm.url + "/v1/completions", json=REQ)
+        assert done.status_code == 200
+        text = (await client.get(vllm.url + "/metrics")).text
+    stats = parse_engine_metrics(text, 2.0)
+    assert first is not None and stats is not None, "no vllm:num_requests_* gauges found"
+    raw = scrape(text)
+    assert stats.running == total(raw, "vllm:num_requests_running")
+    assert stats.waiting == total(raw, "vllm:num_requests_waiting")
+    assert 0.0 <= stats.kv_cache_usage <= 1.0  # not NaN: vllm:kv_cache_usage_perc was read
+    assert stats.preemptions_total == total(raw, "vllm:num_preemptions_total")
+    assert math.isfinite(stats.preemptions_total)
+    assert stats.generation_tokens_total == total(raw, "vllm:generation_tokens_total")
+    # the counter is vLLM's own: it moved by at least the 16 tokens we asked for
+    assert stats.generation_tokens_total - first.generation_tokens_total >= 16
+
+
+async def test_gateway_scrapes_vllm_and_shows_a_running_request(vllm: VllmServer) -> None:
+    app = build_app(parse_config({"tick_interval": 0.02, "upstreams": [{
+        "name": "vllm", "url": vllm.url, "controller": "fixed", "params": {"initial": 4},
+        "scrape": True, "scrape_interval": 0.5}]}))  # figures stale after 1.5 s
+    long = {**REQ, "max_tokens": 400, "stream": True}  # ~5 s: seen running by several scrapes
+    async with serve(app) as gw, httpx.AsyncClient(timeout=60) as client:
+        async with client.stream("POST", gw + "/v1/completions", json=long) as r:
+            assert r.status_code == 200
+            seen = await _wait_status(
+                client, gw, lambda e: e.get("running", 0) >= 1 and not e["stale"], 10)
+            chunks = [c async for c in r.aiter_raw()]
+        idle = await _wait_status(client, gw, lambda e: e.get("running") == 0, 10)
+        m = scrape((await client.get(gw + "/metrics")).text)
+    assert b"data: [DONE]" in b"".join(chunks)
+    assert not seen["stalled"]  # progress: the counter advanced while it ran
+    assert idle["generation_tokens_total"] >= seen["generation_tokens_total"] + 1
+    assert total(m, "kneegate_engine_scrapes_total", outcome="ok") >= 2
+    # on 2 busy cores a scrape may time out; none may fail or go unread
+    for outcome in ("error", "http_error", "unparsable"):
+        assert total(m, "kneegate_engine_scrapes_total", outcome=outcome) == 0
+    assert total(m, "kneegate_upstream_usable") == 1
+
+
+async def _wait_status(
+    client: httpx.AsyncClient, gw: str, ok: Any, seconds: float
+) -> dict[str, Any]:
+    """Poll /kneegate/status until the engine block satisfies `ok`; return that block."""
+    with anyio.fail_after(seconds):
+        while True:
+            engine = (await client.get(gw + "/kneegate/status")).json()["upstreams"][0]["engine"]
+            if engine is not None and ok(engine):
+                return dict(engine)
+            await asyncio.sleep(0.05)
