@@ -139,9 +139,11 @@ error_log {tmp}/error.log warn;
 events {{ worker_connections 8192; }}
 http {{
   access_log off;
+  keepalive_requests 100000000;  # the default 1000 would close each client connection after
+                                 # 1000 requests, ending a fast worker of the closed loop
   client_body_temp_path {tmp}/body;
   proxy_temp_path {tmp}/proxy;
-  upstream up {{ server 127.0.0.1:{up}; keepalive 2048; }}
+  upstream up {{ server 127.0.0.1:{up}; keepalive 2048; keepalive_requests 100000000; }}
   server {{
     listen 127.0.0.1:{port};
     location / {{
@@ -211,6 +213,10 @@ def _median(cells: list[Cell], attr: str) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")  # a target that served nothing has no ratio
+
+
 def print_table(cells: list[Cell]) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     keys = sorted({(c.shape, c.concurrency) for c in cells}, key=lambda k: (k[0], k[1]))
@@ -228,7 +234,8 @@ def print_table(cells: list[Cell]) -> list[dict[str, object]]:
             row: dict[str, object] = {}
             nums = {k: _median(cs, k)
                     for k in ("rps", "eps", "ttft_p50_ms", "ttft_p99_ms", "proxy_cpu")}
-            nums.update(ratio_direct=nums["rps"] / d_rps, ratio_nginx=nums["rps"] / n_rps,
+            nums.update(ratio_direct=_ratio(nums["rps"], d_rps),
+                        ratio_nginx=_ratio(nums["rps"], n_rps),
                         added_p50_ms=nums["ttft_p50_ms"] - d50,
                         added_p99_ms=nums["ttft_p99_ms"] - d99)
             row.update(nums, shape=shape, concurrency=conc, target=target, runs=len(cs))
