@@ -112,9 +112,11 @@ class _CompletionRate:
         if self.last is None:
             self.last = now
             return
+        # decay the old rate over dt and add this completion: for dt << half_life each
+        # completion adds ln2 / half_life, so a steady stream converges on its true rate
         dt = max(now - self.last, 1e-6)
         w = 0.5 ** (dt / self.half_life)
-        self.rate = w * self.rate + (1 - w) * (1.0 / dt) if dt > 0 else self.rate
+        self.rate = w * self.rate + (1 - w) / dt
         self.last = now
 
 
