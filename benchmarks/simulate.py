@@ -11,10 +11,18 @@ minutes of virtual time takes about a second.
 TTFT here is what the gateway measures and what the controller sees: dispatch to first
 token (the engine's queue included, the gateway's queue not: that wait is the queue
 policy's, bounded by each class's `max_wait`). Goodput is the output tokens/s of requests
-that met their class's TTFT and TPOT objectives, measured after `warmup`.
+that met their class's TTFT and TPOT objectives, measured in [`warmup`, `duration`). At
+`duration` arrivals stop and the engine drains what it holds (no ticks, no scrapes), so the
+tokens a request emitted before `duration` count once it is known to have met its objectives:
+without the drain the run's last request-lifetime of goodput reads low for everyone.
 
 The oracle of a scenario is the best fixed limit, found by sweeping fixed limits in this
-same simulator; its goodput is the denominator of every ratio printed.
+same simulator; its goodput is the denominator of every ratio printed. After a change the
+oracle is a *switching* fixed limit: the previous segment's best until the change, then the
+best fixed limit for the new segment. It carries into the new segment the same backlog a
+controller that was right before the change carries, so the settle time compares like with
+like (a limit fixed from t = 0 at the new segment's best would have run the old segment at
+the wrong level and enter the new one with a different backlog).
 
     python -m benchmarks.simulate --scenario all --controllers knee,aimd,gradient \
         --seed 7 --out out/sim
@@ -225,7 +233,16 @@ class _Sim:
     SCRAPE = 1.0
     SCRAPE_LAG = 1.5
 
-    def __init__(self, sc: Scenario, ctl: str, seed: int, limit: int | None) -> None:
+    DRAIN = 300.0  # at most this long past `duration` for the engine to finish its requests
+
+    def __init__(
+        self,
+        sc: Scenario,
+        ctl: str,
+        seed: int,
+        limit: int | None,
+        then: Sequence[tuple[float, int]] = (),
+    ) -> None:
         self.sc = sc
         self.profile = load_profile(sc.profile, **sc.profile_overrides)
         self.core = EngineCore(self.profile, seed=seed)
@@ -233,22 +250,27 @@ class _Sim:
         self.arrivals = _arrivals(sc, tput / sc.output_tokens, seed)
         each = None if limit is None else max(1, round(limit / sc.gateways))
         self.ctls = [_controller(sc, ctl, each) for _ in range(sc.gateways)]
+        self.then = sorted(then)  # (at, total limit): a fixed limit that switches at `at`
         policies = {c.name: ClassPolicy(c.name, c.priority, c.max_wait) for c in sc.classes}
         self.ups = [UpstreamState(f"gw{i}", c) for i, c in enumerate(self.ctls)]
         self.queues = [AdmissionQueue([u], policies, sc.max_queue) for u in self.ups]
         self.reqs: dict[str, _Req] = {}
         self.all: list[_Req] = []
-        self.result = Result(sc.name, ctl if limit is None else f"fixed@{limit}", self.all)
+        name = ctl if limit is None else f"fixed@{limit}" + "".join(f">{x}" for _, x in then)
+        self.result = Result(sc.name, name, self.all)
         self.scrapes: list[tuple[float, EngineStats]] = []
 
     def run(self) -> Result:
         sc, now, i = self.sc, 0.0, 0
         next_tick, next_scrape = 0.0, 0.0
         phases = sorted(sc.phases, key=lambda p: p.at)
-        while now < sc.duration:
+        drained = sc.duration + self.DRAIN
+        while now < sc.duration or (self.core.has_unfinished() and now < drained):
             for p in phases:
                 if p.at <= now and p.slowdown is not None:
                     self.core.slowdown = p.slowdown
+            while self.then and self.then[0][0] <= now:
+                self._switch(self.then.pop(0)[1])
             # what happened during the last step, in time order
             while True:
                 t_arr = self.arrivals[i][0] if i < len(self.arrivals) else math.inf
@@ -260,13 +282,16 @@ class _Sim:
                     self._arrive(self.arrivals[i], i)
                     i += 1
                 elif t == next_tick:
+                    if t >= sc.duration:
+                        next_tick = math.inf  # draining: the gateway admits no more
+                        continue
                     self._tick(t)
                     next_tick += self.TICK
                 else:
                     _, st = self.scrapes.pop(0)
                     for c in self.ctls:
                         c.on_engine_stats(st)
-            if now >= next_scrape:
+            if next_scrape <= now < sc.duration:
                 self._scrape(now)
                 next_scrape += self.SCRAPE
             if self.core.has_unfinished():
@@ -275,8 +300,14 @@ class _Sim:
                 self._events(step.events, now)
             else:  # idle: jump to the next thing that happens
                 nxt = self.arrivals[i][0] if i < len(self.arrivals) else sc.duration
-                now = max(now, min(nxt, next_tick, next_scrape))
+                now = max(now, min(nxt, next_tick, next_scrape, sc.duration))
         return self.result
+
+    def _switch(self, total: int) -> None:
+        """A fixed limit moves to `total` (over the gateways): the switching oracle."""
+        each = max(1, round(total / self.sc.gateways))
+        for i, up in enumerate(self.ups):
+            up.controller = self.ctls[i] = _controller(self.sc, "fixed", each)
 
     def _scrape(self, now: float) -> None:
         s = self.core.stats()
@@ -346,13 +377,22 @@ class _Sim:
                     Outcome.OK,
                 )
             )
-            for ticket in q.release(up, now):
-                self._dispatch(ticket, now)
+            admitted = q.release(up, now)
+            if now < self.sc.duration:  # draining: what was queued stays undispatched
+                for ticket in admitted:
+                    self._dispatch(ticket, now)
 
 
-def run(sc: Scenario, controller: str, seed: int = 7, limit: int | None = None) -> Result:
-    """One controller (or `fixed` at `limit`, total over the gateways) over one scenario."""
-    return _Sim(sc, controller, seed, limit).run()
+def run(
+    sc: Scenario,
+    controller: str,
+    seed: int = 7,
+    limit: int | None = None,
+    then: Sequence[tuple[float, int]] = (),
+) -> Result:
+    """One controller (or `fixed` at `limit`, total over the gateways) over one scenario;
+    `then`: (at, limit) moves of the fixed limit, for the switching oracle."""
+    return _Sim(sc, controller, seed, limit, then).run()
 
 
 # --- judging ---------------------------------------------------------------------------------
@@ -411,7 +451,8 @@ class Oracle:
     limit: int
     goodput: float
     runs: dict[int, Result]
-    segment_best: list[int]  # best fixed limit per segment between changes
+    segment_best: list[int]  # the switching oracle's limit in each segment between changes
+    segment_runs: list[Result]  # its run for each segment: fixed, switching at the changes
 
 
 def oracle(sc: Scenario, seed: int) -> Oracle:
@@ -432,22 +473,52 @@ def oracle(sc: Scenario, seed: int) -> Oracle:
         runs[top] = run(sc, "fixed", seed, top)
         score[top] = goodput(runs[top], sc, sc.warmup, sc.duration)
         best = max(score, key=lambda k: score[k])
-    seg_best = [max(runs, key=lambda k: goodput(runs[k], sc, a, b)) for a, b in _segments(sc)]
-    return Oracle(best, score[best], runs, seg_best)
+    seg_best, seg_runs = _switching(sc, seed, runs)
+    return Oracle(best, score[best], runs, seg_best, seg_runs)
+
+
+def _switching(sc: Scenario, seed: int, runs: dict[int, Result]) -> tuple[list[int], list[Result]]:
+    """Per segment, the best fixed limit entered from the previous segments' bests.
+
+    The first segment's is the plain sweep's. For each later one every swept limit (and the
+    midpoints around the winner, so a coarse grid does not flatter a controller) runs fixed at
+    the earlier segments' bests and moves to it at the change.
+    """
+    segs, changes = _segments(sc), sc.changes
+    a, b = segs[0]
+    first = max(runs, key=lambda k: goodput(runs[k], sc, a, b))
+    bests, seg_runs = [first], [runs[first]]
+    for n, (a, b) in enumerate(segs[1:]):
+        moves = [(changes[j], bests[j + 1]) for j in range(n)]
+        tried: dict[int, Result] = {}
+        grid = sorted(runs)
+        for lim in grid:
+            tried[lim] = run(sc, "fixed", seed, bests[0], [*moves, (changes[n], lim)])
+        top = max(grid, key=lambda k: goodput(tried[k], sc, a, b))
+        i = grid.index(top)
+        for lim in {(grid[j] + top) // 2 for j in (i - 1, i + 1) if 0 <= j < len(grid)}:
+            if lim not in tried:
+                tried[lim] = run(sc, "fixed", seed, bests[0], [*moves, (changes[n], lim)])
+        top = max(tried, key=lambda k: goodput(tried[k], sc, a, b))
+        bests.append(top)
+        seg_runs.append(tried[top])
+    return bests, seg_runs
 
 
 def settle_time(res: Result, orc: Oracle, sc: Scenario) -> float | None:
     """Worst, over the changes, of the time until goodput stays within 10% of the new oracle.
 
-    Both series are 10 s moving averages of goodput; 'within' means at least 0.9 x the
-    segment's best fixed limit's. None when the scenario has no change; inf if it never does.
+    Both series are 10 s moving averages of goodput, compared second by second until the
+    segment ends; 'within' means at least 0.9 x the switching oracle's (`_switching`: the best
+    fixed limit for the new segment, entered from the previous segment's best). None when the
+    scenario has no change; inf if it never does.
     """
     if not sc.changes:
         return None
     mine = _smooth(goodput_series(res, sc))
     worst = 0.0
-    for (a, b), best in zip(_segments(sc)[1:], orc.segment_best[1:], strict=True):
-        ref = _smooth(goodput_series(orc.runs[best], sc))
+    for (a, b), best in zip(_segments(sc)[1:], orc.segment_runs[1:], strict=True):
+        ref = _smooth(goodput_series(best, sc))
         settled, end = math.inf, int(b) - 5  # the last 5 s of a segment see the next change
         for t in range(int(a), end):
             if all(mine[u] >= 0.9 * ref[u] for u in range(t, end)):
@@ -581,6 +652,8 @@ def simulate(sc: Scenario, controllers: list[str], seed: int, out: Path | None) 
     results = [run(sc, c, seed) for c in controllers]
     rows = [judge(r, orc, sc) for r in results]
     rows.append(judge(orc.runs[orc.limit], orc, sc))
+    if sc.changes:  # the switching oracle, the settle time's reference (its name: the moves)
+        rows.append(judge(orc.segment_runs[-1], orc, sc))
     if sc.gateways > 1:
         one = sc.model_copy(update={"gateways": 1})
         for row, c in zip(rows, controllers, strict=False):
