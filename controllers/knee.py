@@ -1,22 +1,27 @@
 """`knee`: learn the throughput-vs-concurrency curve from live traffic; hold just below its knee.
 
 Per window (closed on a tick; at least `window` seconds and `min_samples` samples, or three
-engine scrapes) it records one point: (mean in-flight, output tokens/s, TTFT p90, TPOT p50).
-When the engine publishes its counters (`EngineStats.generation_tokens_total`) the point is
-the *engine's* (running + waiting, its tokens/s): instant, and shared by every gateway in
-front of it; otherwise it is this gateway's own, throughput by Little's law. Points are kept
-per level (bins `bin_ratio` wide, averaged with weight `smoothing`, forgotten after `memory`
-s). A window right after a move of the limit measures the move (a burst of prefills), and a
-window in which the engine queued measures the plateau at no level: neither becomes a point.
+engine scrapes and no sample at all: the engine's counters measure throughput while requests
+that take tens of seconds are still running, and waiting for them would stretch a window to
+`max_window` just when the engine changes) it records one point: (mean in-flight, output
+tokens/s, TTFT p90, TPOT p50). When the engine publishes its counters
+(`EngineStats.generation_tokens_total`) the point is the *engine's* (running + waiting, its
+tokens/s): instant, and shared by every gateway in front of it; otherwise it is this
+gateway's own, throughput by Little's law. Points are kept per level (bins `bin_ratio` wide,
+averaged with weight `smoothing`, forgotten after `memory` s). A window right after a move
+of the limit measures the move (a burst of prefills), and a window in which the engine
+queued measures the plateau at no level: neither becomes a point.
 
 The knee is the lowest of:
 - room: what the engine holds — its running count when its queue never emptied in the
   window or it preempted (it is full), else running / KV-cache use (when the KV cache
   would be full). Falls at once, rises smoothed.
-- the curve's: the saturating model tput = a c / (1 + c/k) fitted by least squares as the
-  line c / tput = 1/a + c/(a k) (a slope within 3 standard errors of 0 is no bend); the
-  knee is where its elasticity 1 / (1 + c/k) falls to e_min, that of a 20% step adding
-  `step_gain`.
+- the curve's: the saturating model tput = a c / (1 + c/k) fitted by least squares over the
+  steady levels (a window whose in-flight stayed near its peak: with bursty demand a window's
+  mean in-flight mixes a burst with its drain, and such points bend the fit where the engine
+  has no knee) as the line c / tput = 1/a + c/(a k) (a slope within 3 standard errors of 0
+  is no bend); the knee is where its elasticity 1 / (1 + c/k) falls to e_min, that of a 20%
+  step adding `step_gain`.
 - the plateau's, measured rather than fitted (a flat plateau need not bend the model): the
   lowest level from which every step up of at least `pair` to a kept level has elasticity
   ln(tput'/tput) / ln(c'/c) under e_min — the operators' rule, a step that adds too little —
@@ -26,7 +31,10 @@ The knee is the lowest of:
 - the last level kept: walking up, the curve ends at the first level whose throughput is
   `decline` under the best so far, or whose Kleinrock power (throughput / (TTFT p90 + TPOT
   p50 x mean output tokens)) is under `power_floor` x the best; the false second peak after
-  a preemption storm beyond is never read. The fit and the plateau read only kept levels.
+  a preemption storm beyond is never read. A level measured by the engine's counters alone
+  (no request finished in its windows) has no power: its latency is unknown, not zero, so it
+  neither sets the best power nor is judged by it. The fit and the plateau read only kept
+  levels.
 
     limit = min(headroom x knee, objective ceiling) x share
 
@@ -49,9 +57,19 @@ Regions:
 - decline: a TTFT/TPOT breach or a drop cuts to `backoff x` in-flight and marks the level
   over the objectives; a full engine (queue, preemptions) caps at `headroom x` its running.
 
-A level whose throughput moves by more than `change` from what the curve holds means the
-engine changed (slower GPU, longer prompts): the rest of the curve is forgotten and
-relearnt. Parameters and ranges are on `KneeConfig`.
+After a change (slower GPU, longer prompts, a noisy neighbour):
+- a level whose throughput moves by more than `change` from what the curve holds means the
+  engine changed: the rest of the curve is forgotten and relearnt from the levels met next;
+- the room falls at once (a full engine caps the limit at `headroom x` its running count in
+  the first window that sees its queue or a preemption) and rises smoothed;
+- windows keep closing every `window` seconds on the engine's counters, so both happen
+  within one window plus the scrape lag (~7 s), not after the requests in flight finish.
+Measured in `benchmarks.simulate` (seed 7): after a halving of the engine's speed goodput
+stays within 10% of the switching oracle from the change on; after prompts grow 4x the
+limit falls with the engine's running count (its KV cache full of requests admitted before
+the change), which takes ~60 s: requests admitted before the first scrape that shows the
+cache full are already too many, and nothing the controller sees tells it how large new
+prompts are until they finish. Parameters and ranges are on `KneeConfig`.
 """
 
 from __future__ import annotations
@@ -188,7 +206,7 @@ class Knee(LimitController):
         w.tick(now, inflight, self.limit)
         c = self.cfg
         # engine counters measure throughput without waiting for requests to finish
-        quorum = 1 if len(w.stats) >= 3 else c.min_samples
+        quorum = 0 if len(w.stats) >= 3 else c.min_samples
         if w.ready(now, c.window, quorum, c.max_window):
             self._window = None
             self._close(w.summary(now))
@@ -390,7 +408,8 @@ class Knee(LimitController):
         return max(0.0, min(1.0, a / (a + b * level))) if b > 0 and a + b * level > 0 else 1.0
 
     def _kept(self) -> tuple[list[Point], bool]:
-        pts = sorted(self._curve.values(), key=lambda p: p.concurrency)
+        # a draining window's mean in-flight understates the level its throughput came from
+        pts = sorted((p for p in self._curve.values() if p.steady), key=lambda p: p.concurrency)
         kept = self._until_decline([p for p in pts if p.throughput > 0])
         return kept, len(kept) < len(pts)
 
@@ -407,16 +426,20 @@ class Knee(LimitController):
             power = self._power(p)
             if p.throughput < best_x * (1 - self.cfg.decline):
                 break  # past the decline; a second peak beyond is a false one
-            if power < best_power * self.cfg.power_floor:
+            if power is not None and power < best_power * self.cfg.power_floor:
                 break  # latency grew far faster than throughput
             kept.append(p)
             best_x = max(best_x, p.throughput)
-            best_power = max(best_power, power)
+            best_power = max(best_power, power or 0.0)
         return kept
 
-    def _power(self, p: Point) -> float:
+    def _power(self, p: Point) -> float | None:
+        """Kleinrock's power; None for a level measured by the engine's counters alone (no
+        request finished in its window), whose latency is unknown, not zero."""
+        if p.ttft_p90 is None and p.tpot_p50 is None:
+            return None
         delay = (p.ttft_p90 or 0.0) + (p.tpot_p50 or 0.0) * max(self._ref_tokens, 1.0)
-        return p.throughput / delay if delay > 0 else p.throughput
+        return p.throughput / delay if delay > 0 else None
 
     def state(self) -> dict[str, Any]:
         pts = sorted(self._curve.values(), key=lambda p: p.concurrency)

@@ -200,3 +200,35 @@ def test_state_is_json() -> None:
     assert state["limit"] == 64
     assert [p["concurrency"] for p in state["curve"]] == [16.0, 20.0]
     assert set(state["curve"][0]) == {"concurrency", "throughput", "ttft_p90", "tpot_p50"}
+
+
+def test_engine_counters_close_a_window_before_any_request_finishes() -> None:
+    # requests last tens of seconds: three scrapes measure the level without waiting for them
+    ctl = make()
+    for i in range(7):
+        ctl.on_engine_stats(scrape(float(i), running=16, kv=0.4, tokens=400.0 * i))
+    ctl.on_tick(0.0, 16)
+    ctl.on_tick(6.0, 16)
+    assert ctl.limit == 32  # one slow-start step at 6 s, not at max_window (30 s)
+
+
+def test_a_level_without_latency_does_not_end_the_curve() -> None:
+    # 8 and 16 measured by counters alone (no latency), then 24 with latency: one rising curve
+    ctl = make(initial=64, probe_every=100)
+    t = window(ctl, 0.0, 8, 200.0, ttft=None)
+    for c, tput in ((8, 200.0), (16, 400.0)):
+        t = window(ctl, t, c, tput, ttft=None)  # no TTFT: no TPOT either
+    t = window(ctl, t, 24, 600.0, ttft=0.2)  # power 600 / (0.2 + 0.038 x 100) tok/s^2
+    assert [p["concurrency"] for p in ctl.state()["curve"]] == [8, 16, 24]
+    assert ctl.knee() == (None, True)  # still linear: no decline, no knee
+
+
+def test_a_burst_and_its_drain_do_not_bend_the_curve() -> None:
+    # levels whose in-flight swung within the window (bursts) are no levels of the fit
+    ctl = make(initial=64, probe_every=100, power_floor=0.0)
+    t = 0.0
+    for c, tput in ((8, 400.0), (8, 400.0), (12, 520.0), (18, 600.0)):
+        ctl.on_tick(t, 40)  # a burst's peak at the window's start: mean far under the max
+        t = window(ctl, t, c, tput)
+    assert ctl.knee() == (None, True)
+    assert ctl.limit == 64
