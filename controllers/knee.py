@@ -67,9 +67,11 @@ After a change (slower GPU, longer prompts, a noisy neighbour):
 Measured in `benchmarks.simulate` (seed 7): after a halving of the engine's speed goodput
 stays within 10% of the switching oracle from the change on; after prompts grow 4x the
 limit falls with the engine's running count (its KV cache full of requests admitted before
-the change), which takes ~60 s: requests admitted before the first scrape that shows the
-cache full are already too many, and nothing the controller sees tells it how large new
-prompts are until they finish. Parameters and ranges are on `KneeConfig`.
+the change) and goodput is back within 10% only after ~80 s: the requests admitted before
+the first scrape that shows the cache full are already too many, and nothing the controller
+sees says how large new prompts are until they finish. A harder cut while the KV cache per
+running request grows (tried: x 0.7 per window) only undershoots: it cannot recall them.
+Parameters and ranges are on `KneeConfig`.
 """
 
 from __future__ import annotations
