@@ -6,7 +6,8 @@ cost keys replaced (`max_num_seqs=8`, `kv_cache_tokens=3072`, `mfu=0.4`, ...).
 
 KV-cache size, when not given, comes from the memory budget the way vLLM sizes it:
 tp x memory x gpu_memory_utilization, minus the weights, minus a per-device activation
-reserve, divided by the KV bytes of one token (2 x layers x kv_heads x head_dim x 2 bytes).
+reserve, divided by the KV bytes of one token (2 x layers x kv_heads x head_dim x dtype
+bytes; bf16, 2, unless the model entry says otherwise).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ __all__ = [
 
 _DATA = Path(__file__).with_name("profiles")
 _GB = 1e9
-_BF16 = 2  # bytes per parameter and per KV element
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +52,15 @@ class ModelSpec:
     head_dim: int
     lm_head_params: float  # vocab x hidden: computed once per sampled token, not per prompt token
     max_model_len: int
+    dtype_bytes: int = 2  # per parameter and per KV element: bf16 unless the model says so
 
     @property
     def weight_bytes(self) -> float:
-        return self.params * _BF16
+        return self.params * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * _BF16
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,7 @@ class CostParams:
     activation_reserve_gb: float
     tp_sync_s_per_layer: float
     eos_mean_tokens: float | None
+    overlap: bool = True  # compute and memory overlap (GPU); False: they add (CPU)
 
 
 @dataclass(frozen=True, slots=True)
