@@ -15,7 +15,10 @@ queued measures the plateau at no level: neither becomes a point.
 The knee is the lowest of:
 - room: what the engine holds — its running count when its queue never emptied in the
   window or it preempted (it is full), else running / KV-cache use (when the KV cache
-  would be full). Falls at once, rises smoothed.
+  would be full). Falls at once, rises smoothed. A queue under `queue_jitter` (1%) of the
+  running count is no full engine: beside hundreds running (H100) a prefill or two wait
+  for the next step's token budget in most scrapes, and reading that as full ratcheted the
+  limit down by 5% a window.
 - the curve's: the saturating model tput = a c / (1 + c/k) fitted by least squares over the
   steady levels (a window whose in-flight stayed near its peak: with bursty demand a window's
   mean in-flight mixes a burst with its drain, and such points bend the fit where the engine
@@ -30,11 +33,15 @@ The knee is the lowest of:
   understates the level its throughput came from).
 - the last level kept: walking up, the curve ends at the first level whose throughput is
   `decline` under the best so far, or whose Kleinrock power (throughput / (TTFT p90 + TPOT
-  p50 x mean output tokens)) is under `power_floor` x the best; the false second peak after
-  a preemption storm beyond is never read. A level measured by the engine's counters alone
-  (no request finished in its windows) has no power: its latency is unknown, not zero, so it
-  neither sets the best power nor is judged by it. The fit and the plateau read only kept
-  levels.
+  p50 x mean output tokens)) is under `power_floor` x the best and whose step up from the
+  level of that best did not pay (elasticity under e_min, below); the false second peak
+  after a preemption storm beyond is never read. Power alone is no end: on a plateau
+  latency grows with concurrency (Little's law), so power halves over any doubling of a
+  flat plateau, and on H100 it ended the curve at 128 while goodput kept rising to 500
+  within the objectives (each 20% step still adding ~3%). A level measured by the engine's
+  counters alone (no request finished in its windows) has no power: its latency is
+  unknown, not zero, so it neither sets the best power nor is judged by it. The fit and
+  the plateau read only kept levels.
 
     limit = min(headroom x knee, objective ceiling) x share
 
@@ -96,7 +103,7 @@ class KneeConfig(BaseControllerConfig):
     climb: float = Field(1.0, gt=0, le=4, description="most growth per window, x (1 + climb)")
     decline: float = Field(0.2, gt=0, lt=0.9, description="throughput drop that ends the curve")
     power_floor: float = Field(
-        0.5, ge=0, lt=1, description="power under this x the best ends the curve"
+        0.5, ge=0, lt=1, description="power under this x the best ends a curve that stopped paying"
     )
     pair: float = Field(
         1.15, gt=1.05, le=2, description="levels this far apart measure a step's gain"
@@ -104,6 +111,9 @@ class KneeConfig(BaseControllerConfig):
     probe_every: int = Field(4, ge=1, le=1000, description="windows between upward probes")
     probe_step: float = Field(0.1, gt=0, le=2, description="a probe goes this far above the knee")
     backoff: float = Field(0.9, ge=0.5, lt=1, description="cut on breach or drop")
+    queue_jitter: float = Field(
+        0.01, ge=0, le=0.5, description="an engine queue under this x running is no full engine"
+    )
     change: float = Field(
         0.35, gt=0, lt=1, description="throughput shift at one level that resets the curve"
     )
@@ -186,6 +196,7 @@ class Knee(LimitController):
         self._room = math.inf
         self._moved = True  # the last window moved the limit by more than a bin (start: from 0)
         self._share_est: float | None = None
+        self._probing = False  # this window's target is a probe above the knee
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -231,6 +242,7 @@ class Knee(LimitController):
             self._learn(w, level, bad)
         self._measure_room(w)
         before = self._limit
+        self._probing = False
         target = self._target(level) * self._share(w, level)
         if bad:
             # decrease needs no proof of load: cut below what was actually in flight
@@ -238,7 +250,10 @@ class Knee(LimitController):
             self._set_limit(max(1.0, min(target, cut)))
         elif w.saturated >= c.saturation and not self._queued(w):
             # demand exceeds the limit and the engine keeps up: grow, at most one climb step
-            self._set_limit(max(1.0, min(target, self._grow(level))))
+            # a probe goes to its level at once: on a flat plateau the fit's elasticity is ~0
+            # and a climb step would never leave the knee
+            grow = target if self._probing else self._grow(level)
+            self._set_limit(max(1.0, min(target, grow)))
         else:
             # app-limited or queued: hold — there is no evidence the engine takes more
             self._set_limit(max(1.0, min(self._limit, target)))
@@ -264,10 +279,14 @@ class Knee(LimitController):
         top = max((p.concurrency for p in self._curve.values()), default=self.cfg.initial)
         return max(self._limit, min(grow, step * top))
 
-    @staticmethod
-    def _queued(w: Summary) -> bool:
-        """The engine is full: its queue never emptied in the window, or it preempted."""
-        return (w.engine_waiting or 0.0) > 0 or (w.engine_preempted or 0.0) > 0
+    def _queued(self, w: Summary) -> bool:
+        """The engine is full: its queue never emptied in the window, or it preempted.
+
+        A queue under `queue_jitter` x the running count is the scheduler's jitter (a prefill
+        waiting for the next step's token budget), not a full engine."""
+        waiting, running = w.engine_waiting or 0.0, w.engine_running or 0.0
+        full_queue = waiting > self.cfg.queue_jitter * running
+        return full_queue or (w.engine_preempted or 0.0) > 0
 
     def _measure_room(self, w: Summary) -> None:
         """The engine's own capacity: what runs when its queue forms, or running / KV use."""
@@ -346,6 +365,7 @@ class Knee(LimitController):
         self._since_probe += 1
         if self._since_probe >= self.cfg.probe_every and self._room > knee:
             self._since_probe = 0  # one cheap window above a throughput knee: it may have moved
+            self._probing = True
             return min(knee * (1 + self.cfg.probe_step), self.ceiling())
         return min(self.cfg.headroom * knee, self.ceiling())
 
@@ -377,7 +397,10 @@ class Knee(LimitController):
         a, b = self._fit(kept)
         knee = min(top, self._flat(kept))
         if b > 0 and a > 0:
-            knee = min(a / b * (1 / self._e_min() - 1), knee)
+            # a fit whose knee lies under every level measured says they are all on the
+            # plateau, not where it starts: no lower than the lowest of them
+            fitted = max(a / b * (1 / self._e_min() - 1), kept[0].concurrency)
+            knee = min(fitted, knee)
         if not math.isfinite(knee):
             return None, True
         return knee, not declined and knee >= kept[-1].concurrency
@@ -423,16 +446,23 @@ class Knee(LimitController):
 
     def _until_decline(self, pts: list[Point]) -> list[Point]:
         kept: list[Point] = []
-        best_x = best_power = 0.0
+        best_x = 0.0
+        best: tuple[float, Point] | None = None  # the highest power so far, and its level
         for p in pts:
             power = self._power(p)
             if p.throughput < best_x * (1 - self.cfg.decline):
                 break  # past the decline; a second peak beyond is a false one
-            if power is not None and power < best_power * self.cfg.power_floor:
-                break  # latency grew far faster than throughput
+            if (
+                power is not None
+                and best is not None
+                and power < best[0] * self.cfg.power_floor
+                and _gain(best[1], p) < self._e_min()
+            ):
+                break  # latency grew far faster than throughput, which the step did not buy
             kept.append(p)
             best_x = max(best_x, p.throughput)
-            best_power = max(best_power, power or 0.0)
+            if power is not None and (best is None or power > best[0]):
+                best = (power, p)
         return kept
 
     def _power(self, p: Point) -> float | None:

@@ -232,3 +232,66 @@ def test_a_burst_and_its_drain_do_not_bend_the_curve() -> None:
         t = window(ctl, t, c, tput)
     assert ctl.knee() == (None, True)
     assert ctl.limit == 64
+
+
+def engine_level(
+    ctl: Knee,
+    t: float,
+    running: float,
+    tput: float,
+    *,
+    waiting: float = 0,
+    kv: float = 0.3,
+    ttft: float = 0.2,
+    duration: float = 4.0,
+    total: list[float],
+) -> float:
+    """One window: the engine runs `running` (+ `waiting`) at `tput` tokens/s by its counter;
+    its requests take `duration` s, `ttft` of it before the first token. `total` carries the
+    engine's generation counter from one window to the next."""
+    for i in range(6):
+        total[0] += tput if i else 0.0
+        ctl.on_engine_stats(scrape(t + i, running=running, waiting=waiting, kv=kv, tokens=total[0]))
+    c = round(running + waiting)
+    return window(ctl, t, c, c * 100 / duration, ttft=ttft)
+
+
+def test_a_queue_of_one_beside_hundreds_running_is_jitter() -> None:
+    # 400 running at 40% of the KV cache: room for 1000; one prefill waits for the next step
+    ctl = make(initial=401, max_limit=2048)
+    engine_level(ctl, 0.0, 400, 8000.0, waiting=1, kv=0.4, total=[0.0])
+    assert ctl.knee_estimate == pytest.approx(1000)  # not capped at the 400 it runs
+    assert ctl.limit == 802  # one slow-start step
+
+
+def test_a_queue_of_one_beside_a_few_running_is_a_full_engine() -> None:
+    ctl = make(initial=41)
+    engine_level(ctl, 0.0, 40, 400.0, waiting=1, kv=0.9, total=[0.0])
+    assert ctl.knee_estimate == 40
+    assert ctl.limit == 38  # 0.95 x 40
+
+
+def test_latency_in_proportion_to_the_level_does_not_end_the_curve() -> None:
+    # 4x the level, latency x 3 (Little's law), throughput +20% (a step still pays): one curve
+    ctl = make(initial=1024, max_limit=2048, probe_every=100, step_gain=0.01)
+    t = window(ctl, 0.0, 32, 3000.0, n=40)
+    for c, tput, ttft in ((32, 3000.0, 0.2), (64, 5000.0, 0.3), (128, 7500.0, 0.5)):
+        t = window(ctl, t, c, tput, ttft=ttft, n=40, out=256)
+    t = window(ctl, t, 512, 9000.0, ttft=1.5, n=40, out=256)
+    assert [p["concurrency"] for p in ctl.state()["curve"]][-1] == 512
+    knee, _ = ctl.knee()
+    assert knee is not None and knee > 128  # the curve reaches past the level of peak power
+
+
+def test_latency_far_beyond_the_level_ends_the_curve() -> None:
+    # the engine: 16 -> 20 running, its tokens/s flat; requests 4 s -> 14 s, 12 s of it TTFT
+    ctl = make(initial=48, ttft_objective=20.0, tpot_objective=1.0, probe_every=100)
+    total = [0.0]
+    t = engine_level(ctl, 0.0, 8, 200.0, kv=8 / 64, total=total)  # measures the start
+    t = engine_level(ctl, t, 8, 200.0, kv=8 / 64, total=total)
+    t = engine_level(ctl, t, 16, 400.0, kv=16 / 64, ttft=0.3, total=total)
+    engine_level(ctl, t, 20, 410.0, kv=20 / 64, ttft=12.0, duration=14.0, total=total)
+    # each level's mean counts the last scrape of the window before: ~15 and ~19.4
+    levels = [p["concurrency"] for p in ctl.state()["curve"]]
+    assert len(levels) == 3
+    assert ctl.knee() == (pytest.approx(levels[1], abs=0.01), False)  # power 99 -> 29, tput +2%
