@@ -295,3 +295,18 @@ def test_latency_far_beyond_the_level_ends_the_curve() -> None:
     levels = [p["concurrency"] for p in ctl.state()["curve"]]
     assert len(levels) == 3
     assert ctl.knee() == (pytest.approx(levels[1], abs=0.01), False)  # power 99 -> 29, tput +2%
+
+
+def test_a_probe_leaves_a_flat_plateau() -> None:
+    # on a flat plateau the fit's elasticity is ~0: a climb step would never leave the knee
+    ctl = make(initial=16, power_floor=0.0, probe_every=3)
+    t = window(ctl, 0.0, 16, 900.0)
+    for c, tput in ((16, 900.0), (32, 1090.0), (32, 1090.0), (64, 1095.0)):
+        t = window(ctl, t, c, tput)
+    assert ctl.limit == 30  # 0.95 x 32
+    for _ in range(2):
+        t = window(ctl, t, 30, 1085.0)
+        assert ctl.limit == 30
+    window(ctl, t, 30, 1085.0)
+    assert ctl.knee() == (30, False)  # 30 is as flat: the plateau starts there
+    assert ctl.limit == 33  # the third window at the knee probes 30 x 1.1 at once
