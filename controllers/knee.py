@@ -13,12 +13,14 @@ of the limit measures the move (a burst of prefills), and a window in which the 
 queued measures the plateau at no level: neither becomes a point.
 
 The knee is the lowest of:
-- room: what the engine holds — its running count when its queue never emptied in the
-  window or it preempted (it is full), else running / KV-cache use (when the KV cache
-  would be full). Falls at once, rises smoothed. A queue under `queue_jitter` (1%) of the
-  running count is no full engine: beside hundreds running (H100) a prefill or two wait
-  for the next step's token budget in most scrapes, and reading that as full ratcheted the
-  limit down by 5% a window.
+- room: what the engine holds — its running count when its queue never emptied in the window
+  or it preempted (it is full), else running / KV-cache use (when the KV cache would be
+  full). Falls at once, rises smoothed (`room_rise`). A queue under `queue_jitter` (1%) of
+  the running count is no full engine: beside hundreds running (H100) a prefill or two
+  wait for the next step's token budget in most scrapes, and reading that as full
+  ratcheted the limit down by 5% a window. Rising slower (`room_rise` 0.25) kept the KV
+  cliff's preemptions out of seed 1's TTFT p99 at 3x but slowed the return after a
+  capacity change: 0.5 stays.
 - the curve's: the saturating model tput = a c / (1 + c/k) fitted by least squares over the
   steady levels (a window whose in-flight stayed near its peak: with bursty demand a window's
   mean in-flight mixes a burst with its drain, and such points bend the fit where the engine
@@ -111,6 +113,9 @@ class KneeConfig(BaseControllerConfig):
     probe_every: int = Field(4, ge=1, le=1000, description="windows between upward probes")
     probe_step: float = Field(0.1, gt=0, le=2, description="a probe goes this far above the knee")
     backoff: float = Field(0.9, ge=0.5, lt=1, description="cut on breach or drop")
+    room_rise: float = Field(
+        0.5, gt=0, le=1, description="weight of a higher room reading (a lower one counts at once)"
+    )
     queue_jitter: float = Field(
         0.01, ge=0, le=0.5, description="an engine queue under this x running is no full engine"
     )
@@ -295,7 +300,7 @@ class Knee(LimitController):
             return
         room = run if self._queued(w) else (run / kv if kv and kv > 0 else math.inf)
         # fast down (a change is news), slow up (one window may be a lucky mix of lengths)
-        up = _blend(self._room, room, self.cfg.smoothing) if math.isfinite(self._room) else room
+        up = _blend(self._room, room, self.cfg.room_rise) if math.isfinite(self._room) else room
         self._room = min(room, up or room)
 
     def _over_objective(self, w: Summary) -> bool:
