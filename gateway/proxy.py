@@ -5,14 +5,16 @@ One request, in order:
    the default), build the forwarded headers (hop-by-hop dropped, X-Forwarded-For added,
    X-Request-Id kept or made);
 2. `gate.acquire(class)`: a permit, or a Rejection answered as 429/503 with Retry-After;
-3. open the upstream request and send every chunk straight to ASGI `send` as it arrives
-   (no StreamingResponse, no re-encoding), through the `Tap`;
+3. open the upstream request and relay every chunk as it arrives, through the `Tap` (no
+   StreamingResponse, no re-encoding): written from the upstream socket's callback when the
+   server offers gateway/wire.py's body writer, else through ASGI `send`;
 4. `finally`: finish the permit synchronously (the slot is free before anything else can
    happen), then close the upstream connection unless it ended cleanly, which is what makes
    the engine abort a request whose caller went away.
 
 Two things end an exchange from outside, both by cancelling its task with a reason: the
-disconnect watcher (a task blocked on `receive()`, which only returns again when the
+client leaving (the body writer's `on_disconnect` callback under kneegate's server; on any
+other ASGI server a watcher task blocked on `receive()`, which only returns again when the
 client leaves) and the sweeper the tick runs, which enforces the first-byte and idle
 deadlines by comparing chunk counters — no timer per chunk.
 """
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from controllers.base import Outcome, Sample
 from gateway.config import GatewayConfig
@@ -39,6 +42,8 @@ from gateway.tap import Tap
 from gateway.types import Clock, Receive, Scope, Send
 from gateway.upstream_client import UpstreamClient, UpstreamResponse, upstream_errors
 from gateway.upstreams import UpstreamPool
+from gateway.wire import EXTENSION as WIRE_EXTENSION
+from gateway.wire import BodyWriter
 
 __all__ = ["Exchange", "Proxy", "ProxySettings"]
 
@@ -165,9 +170,16 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         ex = Exchange(task)
-        watcher = asyncio.create_task(_watch(receive, ex))
+        writer = _body_writer(scope)
+        watcher: asyncio.Task[None] | None = None
+        if writer is not None:  # the server calls us back when the client leaves
+            writer.on_disconnect = partial(ex.abort, Outcome.CLIENT_CANCELLED)
+            if writer.disconnected:
+                ex.abort(Outcome.CLIENT_CANCELLED)
+        else:
+            watcher = asyncio.create_task(_watch(receive, ex))
         try:
-            await self._serve(ex, scope, send, headers, body, rid, cls)
+            await self._serve(ex, scope, send, headers, body, rid, cls, writer)
         except asyncio.CancelledError:
             if ex.aborted is None:
                 raise
@@ -177,7 +189,10 @@ class Proxy:
                     f"upstream sent nothing within {s.first_byte:g}s; retry later"),
                     [(b"x-request-id", rid)])
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            elif writer is not None:
+                writer.on_disconnect = None
 
     def _forward_headers(
         self, scope: Scope, s: ProxySettings
@@ -209,7 +224,7 @@ class Proxy:
 
     async def _serve(
         self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[bytes, bytes]],
-        body: bytes, rid: bytes, cls: str,
+        body: bytes, rid: bytes, cls: str, writer: BodyWriter | None,
     ) -> None:
         try:
             permit = await self.gate.acquire(cls)
@@ -227,7 +242,7 @@ class Proxy:
             resp = await self.client.open(scope["method"], base, _target(scope), headers, body)
             tap = Tap(self.clock, _is_sse(resp.headers))
             with upstream_errors(base):
-                await self._relay(ex, resp, tap, send, rid)
+                await self._relay(ex, resp, tap, send, rid, writer)
             outcome = _outcome_for_status(resp.status)
         except UpstreamError as exc:
             outcome, error = self._upstream_failed(permit, exc), exc
@@ -243,17 +258,37 @@ class Proxy:
             await send_error(send, error, [(b"x-request-id", rid)])
 
     async def _relay(
-        self, ex: Exchange, resp: UpstreamResponse, tap: Tap, send: Send, rid: bytes
+        self, ex: Exchange, resp: UpstreamResponse, tap: Tap, send: Send, rid: bytes,
+        writer: BodyWriter | None,
     ) -> None:
         headers = [h for h in resp.headers if h[0] not in _RESPONSE_DROP]
         if not any(k == b"x-request-id" for k, _ in headers):
             headers.append((b"x-request-id", rid))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         ex.started = True
-        feed, read = tap.feed, resp.read
-        while chunk := await read():
+        feed = tap.feed
+        if writer is not None and writer.ready():
+            # Push: the upstream socket's callback writes each chunk to the client itself
+            # (gateway/wire.py); this task wakes only at the end, or to wait out the
+            # client's back-pressure through `send` with the chunk the writer refused.
+            def sink(data: bytes) -> bool:
+                if not writer.write(data):
+                    return False
+                ex.chunks += 1
+                feed(data)
+                return True
+
+            more: Callable[[], Awaitable[bytes]] = partial(resp.pipe, sink)
+        else:
+            more = resp.read
+        ended = resp.ended
+        while chunk := await more():
             ex.chunks += 1
             feed(chunk)
+            if ended():  # the last bytes: one write with the end of the response
+                ex.finished = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                return
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         ex.finished = True
         await send(_END)
@@ -290,6 +325,11 @@ class Proxy:
                     ex.abort(Outcome.TIMEOUT)
             elif now - ex.seen_at > idle:
                 ex.abort(Outcome.TIMEOUT)
+
+
+def _body_writer(scope: Scope) -> BodyWriter | None:
+    extensions = scope.get("extensions")
+    return extensions.get(WIRE_EXTENSION) if extensions else None
 
 
 def _target(scope: Scope) -> bytes:

@@ -29,6 +29,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig, split_for_worker
+from gateway.wire import KneegateHttpProtocol
 
 __all__ = ["QuietServer", "bind", "embedded_upstream", "run", "serving", "uvicorn_config"]
 
@@ -37,12 +38,19 @@ log = logging.getLogger("kneegate")
 Prepare = Callable[[GatewayConfig], GatewayConfig]
 
 
-def uvicorn_config(app: Any, *, log_level: str = "warning") -> uvicorn.Config:
-    """The uvicorn settings the gateway runs with (tests use the same)."""
+def uvicorn_config(
+    app: Any, *, log_level: str = "warning",
+    http: type[asyncio.Protocol] | str = KneegateHttpProtocol,
+) -> uvicorn.Config:
+    """The uvicorn settings the gateway runs with (tests use the same).
+
+    `http`: uvicorn's httptools protocol plus the body writer of gateway/wire.py; tests
+    pass "httptools" to run the app the way any other ASGI server would.
+    """
     return uvicorn.Config(
         app,
         loop="uvloop",
-        http="httptools",
+        http=http,
         lifespan="on",
         access_log=False,  # a log line per request would cost more than the relay
         proxy_headers=False,  # we are the proxy: the peer's address is the client's
@@ -75,7 +83,7 @@ class QuietServer(uvicorn.Server):
 @contextlib.asynccontextmanager
 async def serving(
     app: Any, sock: socket.socket | None = None, *, log_level: str = "warning",
-    start_timeout: float = 10.0,
+    start_timeout: float = 10.0, http: type[asyncio.Protocol] | str = KneegateHttpProtocol,
 ) -> AsyncIterator[str]:
     """Serve `app` in this event loop (loopback, a free port unless `sock` is given).
 
@@ -85,7 +93,7 @@ async def serving(
     own = sock is None
     sock = sock or bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = QuietServer(uvicorn_config(app, log_level=log_level))
+    server = QuietServer(uvicorn_config(app, log_level=log_level, http=http))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(start_timeout):

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from types import TracebackType
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -81,6 +82,7 @@ class _Conn(asyncio.Protocol):
         self.done = False
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[bytes], bool] | None = None  # set while `pipe` runs
         self.head_only = False
         self.framed = False  # Content-Length or chunked: else the body ends at EOF
         self.reusable = False
@@ -97,8 +99,15 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.error = exc
             self.close()
-        if self.buffered > _HIGH_WATER and self.transport is not None:
-            self.transport.pause_reading()
+        if self.buf:
+            # Push mode: write through from here, so the relay sleeps on (no task switch per
+            # event). The body's last bytes go to the relay instead, which sends them with
+            # the end of the response in one write.
+            sink = self.sink
+            if sink is not None and not self.done and self.error is None and self._push(sink):
+                return
+            if self.buffered > _HIGH_WATER and self.transport is not None:
+                self.transport.pause_reading()
         self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -158,6 +167,44 @@ class _Conn(asyncio.Protocol):
                 raise self.error
             self.waiter = fut = self.loop.create_future()
             await fut
+        return self._take()
+
+    async def pipe(self, sink: Callable[[bytes], bool]) -> bytes:
+        """Hand body bytes to `sink` from the socket's callback as they arrive.
+
+        Returns b"" at the end of the body. When `sink` refuses bytes (returns False) they
+        stay unwritten and are returned instead: the caller writes them its own (awaiting)
+        way and calls `pipe` again. The sink is attached only while `pipe` waits, so bytes
+        never overtake the ones the caller holds. The body's last bytes are returned, not
+        pushed (`UpstreamResponse.ended()` is then true), so the caller can write them
+        together with the end of its response.
+        """
+        self.sink = sink
+        try:
+            while True:
+                if self.buf and (self.done or not self._push(sink)):
+                    return self._take()
+                if self.done:
+                    return b""
+                if self.error is not None:
+                    raise self.error
+                self.waiter = fut = self.loop.create_future()
+                await fut
+        finally:
+            self.sink = None
+
+    def _push(self, sink: Callable[[bytes], bool]) -> bool:
+        """Give everything buffered to `sink`; False when it refused (kept, as one piece)."""
+        buf = self.buf
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        if sink(data):
+            buf.clear()
+            self.buffered = 0
+            return True
+        buf[:] = [data]
+        return False
+
+    def _take(self) -> bytes:
         buf = self.buf
         data = buf[0] if len(buf) == 1 else b"".join(buf)
         buf.clear()
@@ -168,6 +215,7 @@ class _Conn(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self.sink = None
         if self.transport is not None:
             self.transport.close()
 
@@ -183,20 +231,26 @@ class _Conn(asyncio.Protocol):
 class UpstreamResponse:
     """An upstream response whose body has not been read yet."""
 
-    __slots__ = ("_conn", "headers", "read", "status")
+    __slots__ = ("_conn", "headers", "pipe", "read", "status")
 
     def __init__(self, conn: _Conn) -> None:
         self._conn = conn
         self.status: int = conn.status
         self.headers: list[tuple[bytes, bytes]] = conn.headers  # names lower-case
         # Body bytes as they arrive, what is buffered as one chunk; b"" at the end.
-        self.read: Callable[[], Awaitable[bytes]] = conn.read
+        self.read: Callable[[], Coroutine[Any, Any, bytes]] = conn.read
+        # Body bytes pushed to a sink from the socket's callback (see `_Conn.pipe`).
+        self.pipe: Callable[[Callable[[bytes], bool]], Coroutine[Any, Any, bytes]] = conn.pipe
 
     async def read_all(self) -> bytes:
         parts = []
         while chunk := await self.read():
             parts.append(chunk)
         return b"".join(parts)
+
+    def ended(self) -> bool:
+        """True once the whole body has arrived (what `read`/`pipe` return is the last)."""
+        return self._conn.done
 
     def close(self) -> None:
         """Drop the connection now (the engine sees the disconnect and aborts). Sync."""
