@@ -338,6 +338,9 @@ class _Sim:
         r.dispatched = now
         r.inflight_at_admit = ticket.inflight_at_admit
         self.reqs[r.id] = r
+        # the true prompt size: the gateway's bytes / 4 differs by a constant factor, and
+        # knee uses ratios of sizes only
+        self.ups[r.gateway].controller.on_admit(r.prompt)
         self.core.add_request(EngineRequest(r.id, r.prompt, r.out, ignore_eos=True))
 
     def _tick(self, now: float) -> None:

@@ -105,6 +105,13 @@ class Controller(Protocol):
 
     def on_engine_stats(self, stats: EngineStats) -> None: ...
 
+    def on_admit(self, prompt_tokens: int) -> None:
+        """A request was admitted to this upstream with about this many prompt tokens.
+
+        An estimate (the gateway's is its body's bytes / 4, JSON included): use ratios of
+        sizes, never the absolute number."""
+        ...
+
     def state(self) -> dict[str, Any]: ...
 
 
@@ -157,6 +164,9 @@ class LimitController:
 
     def on_engine_stats(self, stats: EngineStats) -> None:
         self._on_engine_stats(stats)
+
+    def on_admit(self, prompt_tokens: int) -> None:
+        """An admission's prompt size estimate; ignored unless a subclass uses it."""
 
     def state(self) -> dict[str, Any]:
         return {"name": self.name, "limit": self.limit, "knee_estimate": self.knee_estimate}

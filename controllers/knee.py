@@ -73,13 +73,26 @@ After a change (slower GPU, longer prompts, a noisy neighbour):
   the first window that sees its queue or a preemption) and rises smoothed;
 - windows keep closing every `window` seconds on the engine's counters, so both happen
   within one window plus the scrape lag (~7 s), not after the requests in flight finish.
+- prompt sizes lead (`on_admit`, the gateway's estimate: body bytes / 4): a mean over the
+  last ~`admit_recent` admissions is compared with the learned one (~`admit_learned`
+  admissions, JSON overhead included; estimates are put into tokens by the ratio of
+  finished requests' prompt tokens to admitted estimates). When the footprint of a running
+  request, prompt + half the mean answer, moves past `footprint_jump` (1.3) x the learned
+  one, room, knee estimate and limit fall at once by the ratio, sized by the mean of the
+  last `admit_last` admissions (the slow mean tells a shift, the fast one how far); the
+  curve is relearnt, samples admitted before are no measurement, and neither the room
+  rises nor the gateway's share is learnt while requests admitted before it still finish
+  (the engine still holds small ones). Smaller prompts only rebase: probing and the room
+  find the space. A single huge prompt counts at most `admit_clip` x the learned size.
 Measured in `benchmarks.simulate` (seed 7): after a halving of the engine's speed goodput
-stays within 10% of the switching oracle from the change on; after prompts grow 4x the
-limit falls with the engine's running count (its KV cache full of requests admitted before
-the change) and goodput is back within 10% only after ~80 s: the requests admitted before
-the first scrape that shows the cache full are already too many, and nothing the controller
-sees says how large new prompts are until they finish. A harder cut while the KV cache per
-running request grows (tried: x 0.7 per window) only undershoots: it cannot recall them.
+stays within 10% of the switching oracle from the change on. After prompts grow 4x the cut
+comes ~8 s after the change (the queue ahead still holds requests that arrived before it,
+max_wait 5 s) and the first cut (x2.8 at seed 7) sizes most of it; settle times (seeds
+7/1/2) went 81/71-81 s -> 83/72/0 s: what remains is the steady state after the change
+(the limit one or two under the oracle's 11, or preemptions one over), not the overfill.
+Tried and dropped: a correction by the mean of the next 8 admissions after a cut (those
+come only after the engine drains to the new limit, ~30 s, and it over-cut: 150 s); a
+harder cut while the KV cache per running request grows (x 0.7 per window: 114 s).
 Parameters and ranges are on `KneeConfig`.
 """
 
@@ -134,6 +147,21 @@ class KneeConfig(BaseControllerConfig):
     window: float = Field(5.0, gt=0, le=600, description="minimum window length, seconds")
     min_samples: int = Field(8, ge=1, le=10_000, description="samples before a window closes")
     max_window: float = Field(30.0, gt=0, le=3600, description="a window closes by this age")
+    admit_recent: int = Field(
+        20, ge=2, le=10_000, description="admissions averaged as the recent prompt size"
+    )
+    admit_learned: int = Field(
+        200, ge=2, le=100_000, description="admissions averaged as the learned prompt size"
+    )
+    admit_last: int = Field(
+        4, ge=1, le=1000, description="admissions averaged to size a shift once one is seen"
+    )
+    admit_clip: float = Field(
+        8.0, gt=1, le=1000, description="an admission counts at most this x the learned size"
+    )
+    footprint_jump: float = Field(
+        1.3, gt=1.05, le=10, description="footprint ratio, recent to learned, that rescales"
+    )
 
 
 @dataclass(slots=True)
@@ -202,10 +230,74 @@ class Knee(LimitController):
         self._moved = True  # the last window moved the limit by more than a bin (start: from 0)
         self._share_est: float | None = None
         self._probing = False  # this window's target is a probe above the knee
+        self._now = -math.inf  # the last tick's time
+        # prompt sizes at admission (estimates: only their ratios mean anything)
+        self._admits = 0
+        self._p_recent = 0.0  # EWMA over ~admit_recent admissions: detects a shift
+        self._p_last = 0.0  # EWMA over ~admit_last admissions: measures its size
+        self._p_learned = 0.0  # EWMA over ~admit_learned, rebased after a rescale
+        # slow means never rebased, of admitted estimates and of finished requests' prompt
+        # tokens (the engine's count): their ratio puts estimates into tokens
+        self._p_slow = 0.0
+        self._p_done, self._dones = 0.0, 0
+        self._rescaled_at = -math.inf  # the last rescale by footprint
+        self._old_finish = -math.inf  # last finish of a request admitted before it
 
     # --- inputs -----------------------------------------------------------------------
 
+    def on_admit(self, prompt_tokens: int) -> None:
+        """A leading signal: when recent admissions' KV footprint (prompt + mean output)
+        moves past `footprint_jump` x the learned one, the room and limit scale at once."""
+        c, p = self.cfg, float(max(prompt_tokens, 1))
+        self._admits += 1
+        self._p_slow += (p - self._p_slow) / min(self._admits, c.admit_learned)
+        if self._admits == 1:
+            self._p_recent = self._p_learned = self._p_last = p
+            return
+        # one huge prompt among small ones is no shift: a single one moves the means little
+        p = min(p, c.admit_clip * self._p_learned)
+        self._p_recent += (p - self._p_recent) / c.admit_recent
+        self._p_last += (p - self._p_last) / c.admit_last
+        if self._admits < c.admit_recent:
+            self._p_learned = self._p_recent  # too few to tell a shift from the start
+            return
+        r = self._footprint_ratio(self._p_recent)
+        if r > c.footprint_jump:
+            # the slow mean tells a shift; the fast one how far it went
+            self._rescale(max(r, self._footprint_ratio(self._p_last)))
+        elif r < 1 / c.footprint_jump:
+            self._p_learned = self._p_recent  # smaller prompts: probing finds the room again
+        else:
+            self._p_learned += (p - self._p_learned) / c.admit_learned
+
+    def _footprint_ratio(self, recent: float) -> float:
+        """Recent over learned (prompt + mean output): output tokens from samples, prompts
+        put into the engine's tokens by the ratio of finished prompts to admitted estimates."""
+        k = self._p_done / self._p_slow if self._p_done > 0 and self._p_slow > 0 else 1.0
+        k = max(0.25, min(4.0, k))
+        out = self._ref_tokens / 2  # a running request holds half its answer, on average
+        return (k * recent + out) / (k * self._p_learned + out)
+
+    def _rescale(self, r: float) -> None:
+        """Each request now holds r x the KV it held: room and limit fall by r now, and the
+        curve is relearnt; samples admitted before measure a level the limit left."""
+        self._set_limit(max(1.0, self._limit / r))
+        if math.isfinite(self._room):
+            self._room /= r
+        if self.knee_estimate is not None:
+            self.knee_estimate /= r
+        self._curve.clear()
+        self._moved = True
+        self._last_cut = self._rescaled_at = self._old_finish = self._now
+        self._p_learned = self._p_recent = max(self._p_recent, self._p_last)
+
     def _on_sample(self, s: Sample) -> None:
+        if s.admitted_at < self._rescaled_at:
+            self._old_finish = max(self._old_finish, s.finished_at)
+        if s.prompt_tokens > 0:
+            self._dones += 1
+            w = 1 / min(self._dones, self.cfg.admit_learned)
+            self._p_done += (s.prompt_tokens - self._p_done) * w
         # admitted before the last cut: it measures a level the limit already left
         if s.admitted_at >= self._last_cut:
             self._open(s.finished_at).add(s)
@@ -220,6 +312,7 @@ class Knee(LimitController):
         self._prev_stats = stats
 
     def _on_tick(self, now: float, inflight: int) -> None:
+        self._now = now
         w = self._open(now)
         w.tick(now, inflight, self.limit)
         c = self.cfg
@@ -270,7 +363,10 @@ class Knee(LimitController):
         """This gateway's part of the engine's in-flight (1 on a gateway curve), smoothed;
         learnt only from settled windows, as scrapes lag a move by seconds."""
         now = min(1.0, w.inflight / level) if level > 0 else 1.0
-        if self._share_est is None or not self._moved:
+        # nor while requests sized before a rescale drain (in-flight falls under the
+        # engine's lagging scrape: the share would read low with one gateway alone)
+        draining = self._old_finish >= w.start
+        if self._share_est is None or not (self._moved or draining):
             self._share_est = _blend(self._share_est, now, self.cfg.smoothing)
         return self._share_est or now
 
@@ -299,6 +395,8 @@ class Knee(LimitController):
         if run is None or run <= 0:
             return
         room = run if self._queued(w) else (run / kv if kv and kv > 0 else math.inf)
+        if room > self._room and self._old_finish >= w.start:
+            return  # the engine still holds requests sized before a rescale: no rise yet
         # fast down (a change is news), slow up (one window may be a lucky mix of lengths)
         up = _blend(self._room, room, self.cfg.room_rise) if math.isfinite(self._room) else room
         self._room = min(room, up or room)

@@ -232,6 +232,9 @@ class Proxy:
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         ex.admitted_at = permit.admitted_at
+        # a leading signal of the KV footprint: about 4 bytes a token (JSON overhead is a
+        # constant factor; controllers use ratios of sizes only)
+        permit.upstream.controller.on_admit(len(body) // 4)
         self.active.add(ex)
         resp: UpstreamResponse | None = None
         tap: Tap | None = None
