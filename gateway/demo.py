@@ -69,17 +69,23 @@ async def _client(client: UpstreamClient, gw: str, tally: _Tally, stop: asyncio.
 
 
 def _line(t: float, clients: int, engine: tuple[float, float], gw: dict[str, Any],
-          tally: _Tally) -> str:
+          tally: _Tally, max_seqs: int) -> str:
     ttft = sorted(tally.ttfts)
     p50 = f"{ttft[len(ttft) // 2] * 1000:.0f}ms" if ttft else "-"
     up = gw["upstreams"][0]
     knee = up["controller"].get("knee_estimate")
-    knee_s = f"{knee:.0f}" if isinstance(knee, (int, float)) and knee < 1e6 else "-"
+    if not isinstance(knee, (int, float)):
+        knee_s = "-"
+    elif knee > max_seqs:  # only a bound so far (e.g. KV room): the engine runs no more
+        knee_s = f">{max_seqs}"
+    else:
+        knee_s = f"{knee:.0f}"
     return (f"{t:5.0f}s {clients:7d} {engine[0]:7.0f} {engine[1]:7.0f} {up['limit']:7d}"
             f" {knee_s:>6} {up['in_flight']:8d} {gw['queue_total']:6d} {tally.ok:6d}"
             f" {tally.shed:6d} {tally.timed_out:6d} {p50:>8}")
 
 
+_PROFILE = "cpu-tiny"  # the embedded default engine
 _HEADER = (f"{'t':>6} {'clients':>7} {'running':>7} {'waiting':>7} {'limit':>7} {'knee':>6} "
            f"{'inflight':>8} {'queued':>6} {'done':>6} {'429s':>6} {'503s':>6} {'ttft p50':>8}")
 
@@ -92,20 +98,22 @@ async def _engine_load(client: UpstreamClient, up: str) -> tuple[float, float]:
 
 async def _demo(seconds: float, limit: int, peak: int, controller: str,
                 max_requests: int) -> None:
+    from benchmarks.engine.profiles import load_profile
     from benchmarks.engine.server import build_app as build_engine
 
-    async with serving(build_engine("cpu-tiny"), log_level="error") as up:
+    max_seqs = load_profile(_PROFILE).engine.max_num_seqs
+    async with serving(build_engine(_PROFILE), log_level="error") as up:
         cfg = parse_config({
             "upstreams": [{"name": "emulator", "url": up, "controller": controller,
                            "params": {"initial": limit}, "scrape": True}],
             "max_queue": max(4, limit), "classes": {"default": {"max_wait": 3.0}}})
         gateway = build_app(cfg)
         async with serving(gateway, log_level="error") as gw:
-            await _ramp(gw, up, gateway.gateway.status, seconds, peak, max_requests)
+            await _ramp(gw, up, gateway.gateway.status, seconds, peak, max_requests, max_seqs)
 
 
 async def _ramp(gw: str, up: str, status: Any, seconds: float, peak: int,
-                max_requests: int) -> None:
+                max_requests: int, max_seqs: int) -> None:
     client = UpstreamClient(connect_timeout=5)
     tally, stop, budget = _Tally(), asyncio.Event(), [max_requests]
     steps = sorted({1, 2, 4, *range(8, peak + 1, 8), peak})
@@ -126,7 +134,8 @@ async def _ramp(gw: str, up: str, status: Any, seconds: float, peak: int,
                 engine, gw_status = await _engine_load(client, up), status()
                 most_in_engine = max(most_in_engine, engine[0] + engine[1])
                 most_limit = max(most_limit, gw_status["upstreams"][0]["limit"])
-                print(_line(now - start, n, engine, gw_status, tally.take()), flush=True)
+                print(_line(now - start, n, engine, gw_status, tally.take(), max_seqs),
+                      flush=True)
     finally:
         stop.set()
         for t in tasks:
