@@ -77,28 +77,49 @@ After a change (slower GPU, longer prompts, a noisy neighbour):
   last ~`admit_recent` admissions is compared with the learned one (~`admit_learned`
   admissions, JSON overhead included; estimates are put into tokens by the ratio of
   finished requests' prompt tokens to admitted estimates). When the footprint of a running
-  request, prompt + half the mean answer, moves past `footprint_jump` (1.3) x the learned
-  one, room, knee estimate and limit fall at once by the ratio, sized by the mean of the
-  last `admit_last` admissions (the slow mean tells a shift, the fast one how far); the
-  curve is relearnt, samples admitted before are no measurement, and neither the room
-  rises nor the gateway's share is learnt while requests admitted before it still finish
-  (the engine still holds small ones). Smaller prompts only rebase: probing and the room
-  find the space. A single huge prompt counts at most `admit_clip` x the learned size.
+  request, prompt + half the mean answer (a slow mean over every finished request), moves
+  past `footprint_jump` (1.3) x the learned one, room, knee estimate and limit fall at once
+  by the ratio, sized by the plain mean of the last `admit_last` admissions (the slow mean
+  tells a shift, the last few how far: an EWMA over 4 still held a third of the old size
+  3-5 admissions in and cut x2.8 where the footprint grew x3.4); the curve is relearnt,
+  samples admitted before are no measurement, and neither the room rises nor the gateway's
+  share is learnt while requests admitted before it still finish (the engine still holds
+  small ones). The next `admit_confirm` (8) admissions size the cut again: if their
+  footprint is over `confirm_jump` (1.05) x the one the cut assumed, a second cut by that
+  ratio follows (never a rise: probing and the room find space). A cut within `max_window`
+  of the last corrects it: requests admitted between the two already have the new size, so
+  the drain still waits only for those from before the first. Smaller prompts only rebase:
+  probing and the room find the space. A single huge prompt counts at most `admit_clip` x
+  the learned size.
+- the mean answer length (`_ref_tokens`, in power's delay) learns only from windows with
+  samples: a window closed on the engine's counters alone read 0 and halved it (154 and
+  later ~0 tokens where answers average 256), and the footprint took it, cutting by the
+  prompts' ratio alone.
 Measured in `benchmarks.simulate` (seed 7): after a halving of the engine's speed goodput
 stays within 10% of the switching oracle from the change on. After prompts grow 4x the cut
 comes ~8 s after the change (the queue ahead still holds requests that arrived before it,
-max_wait 5 s) and the first cut (x2.8 at seed 7) sizes most of it; settle times (seeds
-7/1/2) went 81/71-81 s -> 83/72/0 s: what remains is the steady state after the change
-(the limit one or two under the oracle's 11, or preemptions one over), not the overfill.
-Tried and dropped: a correction by the mean of the next 8 admissions after a cut (those
-come only after the engine drains to the new limit, ~30 s, and it over-cut: 150 s); a
-harder cut while the KV cache per running request grows (x 0.7 per window: 114 s).
+max_wait 5 s) and lands at the oracle's 11 at seed 7; settle times (seeds 7/1/2) went
+83/72/0 s -> 63/70/0 s (seeds 3-6, 8: 92/105/76/79/inf -> 67/inf/0/0/54; goodput over the
+8 seeds 1.35 -> 1.43 x the fixed oracle). What remains is the steady state at the KV
+cliff: 11 large requests fill it, the limit sits at 10-12 on a room read from few
+requests (noisy), 12 preempts and a preemption storm halves goodput for ~20 s, while 10
+loses ~10%. A limit one request off the oracle is the settle clock's whole margin here.
+Tried and dropped: a correction by the mean of the next 8 admissions after a cut with the
+answer length still broken (it over-cut: 150 s); a harder cut while the KV cache per
+running request grows (x 0.7 per window: 114 s); no room rise past a running count that
+preempted within `objective_memory` (8-seed goodput 1.43 -> 1.40; seed 7 settles 0 but
+seed 1 never); headroom 1 - 0.35/sqrt(knee) under 0.95 for few requests (seeds 7/1/2
+83/92/98 s); a room rise weighted by running/20 (no gain); rescaling with the
+tokens-per-estimate ratio frozen while sizes shift (the admitted mean leads the finished
+one by the drain: no measurable gain, 1.428 -> 1.429); a confirmation over 12 admissions
+(1.40) or with no margin (seed 7 never).
 Parameters and ranges are on `KneeConfig`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +179,12 @@ class KneeConfig(BaseControllerConfig):
     )
     admit_clip: float = Field(
         8.0, gt=1, le=1000, description="an admission counts at most this x the learned size"
+    )
+    admit_confirm: int = Field(
+        8, ge=1, le=1000, description="admissions after a rescale that size it again"
+    )
+    confirm_jump: float = Field(
+        1.05, ge=1.0, le=10, description="footprint ratio, confirmed to cut, that cuts deeper"
     )
     footprint_jump: float = Field(
         1.3, gt=1.05, le=10, description="footprint ratio, recent to learned, that rescales"
@@ -234,13 +261,17 @@ class Knee(LimitController):
         # prompt sizes at admission (estimates: only their ratios mean anything)
         self._admits = 0
         self._p_recent = 0.0  # EWMA over ~admit_recent admissions: detects a shift
-        self._p_last = 0.0  # EWMA over ~admit_last admissions: measures its size
+        # the last admit_last admissions, unweighted: measures a shift's size (an EWMA
+        # still holds the old size when the slow mean tells the shift, 3-5 admissions in)
+        self._last: deque[float] = deque(maxlen=self.cfg.admit_last)
         self._p_learned = 0.0  # EWMA over ~admit_learned, rebased after a rescale
         # slow means never rebased, of admitted estimates and of finished requests' prompt
         # tokens (the engine's count): their ratio puts estimates into tokens
         self._p_slow = 0.0
         self._p_done, self._dones = 0.0, 0
+        self._out_done, self._outs = 0.0, 0  # slow mean of every finished request's answer
         self._rescaled_at = -math.inf  # the last rescale by footprint
+        self._confirm: list[float] | None = None  # admissions since it, until admit_confirm
         self._old_finish = -math.inf  # last finish of a request admitted before it
 
     # --- inputs -----------------------------------------------------------------------
@@ -252,35 +283,57 @@ class Knee(LimitController):
         self._admits += 1
         self._p_slow += (p - self._p_slow) / min(self._admits, c.admit_learned)
         if self._admits == 1:
-            self._p_recent = self._p_learned = self._p_last = p
+            self._p_recent = self._p_learned = p
+            self._last.append(p)
             return
         # one huge prompt among small ones is no shift: a single one moves the means little
         p = min(p, c.admit_clip * self._p_learned)
         self._p_recent += (p - self._p_recent) / c.admit_recent
-        self._p_last += (p - self._p_last) / c.admit_last
+        self._last.append(p)
+        if self._confirm is not None and self._confirm_cut(p):
+            return
         if self._admits < c.admit_recent:
             self._p_learned = self._p_recent  # too few to tell a shift from the start
             return
         r = self._footprint_ratio(self._p_recent)
         if r > c.footprint_jump:
-            # the slow mean tells a shift; the fast one how far it went
-            self._rescale(max(r, self._footprint_ratio(self._p_last)))
+            # the slow mean tells a shift; the last few admissions how far it went
+            self._rescale(max(r, self._footprint_ratio(self._p_last())))
         elif r < 1 / c.footprint_jump:
             self._p_learned = self._p_recent  # smaller prompts: probing finds the room again
         else:
             self._p_learned += (p - self._p_learned) / c.admit_learned
+
+    def _confirm_cut(self, p: float) -> bool:
+        """The admissions after a cut size it again: a cut sized by a few admissions (3-5,
+        some still from before the shift) is often short. Only ever deeper."""
+        assert self._confirm is not None
+        self._confirm.append(p)
+        if len(self._confirm) < self.cfg.admit_confirm:
+            return False
+        size = sum(self._confirm) / len(self._confirm)
+        self._confirm = None
+        r = self._footprint_ratio(size)
+        if r <= self.cfg.confirm_jump:
+            return False
+        self._rescale(r, size)
+        return True
+
+    def _p_last(self) -> float:
+        return sum(self._last) / len(self._last)
 
     def _footprint_ratio(self, recent: float) -> float:
         """Recent over learned (prompt + mean output): output tokens from samples, prompts
         put into the engine's tokens by the ratio of finished prompts to admitted estimates."""
         k = self._p_done / self._p_slow if self._p_done > 0 and self._p_slow > 0 else 1.0
         k = max(0.25, min(4.0, k))
-        out = self._ref_tokens / 2  # a running request holds half its answer, on average
+        out = self._out_done / 2  # a running request holds half its answer, on average
         return (k * recent + out) / (k * self._p_learned + out)
 
-    def _rescale(self, r: float) -> None:
+    def _rescale(self, r: float, size: float | None = None) -> None:
         """Each request now holds r x the KV it held: room and limit fall by r now, and the
-        curve is relearnt; samples admitted before measure a level the limit left."""
+        curve is relearnt; samples admitted before measure a level the limit left. `size`:
+        the prompt size a confirmation measured (no further confirmation follows it)."""
         self._set_limit(max(1.0, self._limit / r))
         if math.isfinite(self._room):
             self._room /= r
@@ -288,8 +341,13 @@ class Knee(LimitController):
             self.knee_estimate /= r
         self._curve.clear()
         self._moved = True
-        self._last_cut = self._rescaled_at = self._old_finish = self._now
-        self._p_learned = self._p_recent = max(self._p_recent, self._p_last)
+        # a second cut while requests from before the first still drain corrects its size:
+        # those admitted between the two already have the new size; the old ones are older
+        if self._now - self._rescaled_at > self.cfg.max_window:
+            self._rescaled_at = self._now
+        self._last_cut = self._old_finish = self._now
+        self._p_learned = self._p_recent = size or max(self._p_recent, self._p_last())
+        self._confirm = [] if size is None else None
 
     def _on_sample(self, s: Sample) -> None:
         if s.admitted_at < self._rescaled_at:
@@ -298,6 +356,10 @@ class Knee(LimitController):
             self._dones += 1
             w = 1 / min(self._dones, self.cfg.admit_learned)
             self._p_done += (s.prompt_tokens - self._p_done) * w
+        if s.output_tokens > 0:  # counted apart: a gateway may not know the prompt's tokens
+            self._outs += 1
+            w = 1 / min(self._outs, self.cfg.admit_learned)
+            self._out_done += (s.output_tokens - self._out_done) * w
         # admitted before the last cut: it measures a level the limit already left
         if s.admitted_at >= self._last_cut:
             self._open(s.finished_at).add(s)
@@ -423,7 +485,8 @@ class Knee(LimitController):
         if level <= 0 or tput is None:
             return
         a = self.cfg.smoothing
-        self._ref_tokens = _blend(self._ref_tokens or None, w.output_tokens_mean, a) or 0.0
+        if w.samples:  # a window closed on the engine's counters alone has no answers
+            self._ref_tokens = _blend(self._ref_tokens or None, w.output_tokens_mean, a) or 0.0
         self._forget(w.end)
         # a level, not a ramp: in-flight stayed near its peak through the window
         steady = w.inflight >= 0.8 * w.max_inflight

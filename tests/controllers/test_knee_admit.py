@@ -7,7 +7,7 @@ import random
 import pytest
 from ctl_helpers import make_sample, window
 
-from controllers import CONTROLLERS, Controller, Knee, KneeConfig, build_controller
+from controllers import CONTROLLERS, Controller, EngineStats, Knee, KneeConfig, build_controller
 
 
 def settled(initial: int = 40) -> Knee:
@@ -30,12 +30,14 @@ def test_a_4x_prompt_jump_cuts_the_limit_within_a_few_admissions() -> None:
         ctl.on_admit(400)
         limits.append(ctl.limit)
     # footprint (prompt + half the 100-token answer) grows from 150 toward 450: x3. The
-    # 20-admission mean tells the shift on the 5th; the 4-admission mean sizes it (x2.26)
+    # 20-admission mean tells the shift on the 5th; the plain mean of the last 4 (all 400)
+    # sizes it: x2.6, not x3, as the admitted mean that puts estimates into tokens already
+    # holds the new sizes while the finished prompts do not yet (an EWMA over 4 cut x2.26)
     assert before == 40
-    assert limits == [40, 40, 40, 40, 17, 17]
+    assert limits == [40, 40, 40, 40, 15, 15]
     for _ in range(40):
         ctl.on_admit(400)
-    assert ctl.limit == 17  # the rest of the way (x1.3) is under the threshold: no second cut
+    assert ctl.limit == 15  # the next 8 admissions are the size the cut used: no second cut
 
 
 def test_samples_admitted_before_the_rescale_are_no_measurement() -> None:
@@ -95,7 +97,61 @@ def test_estimates_twice_the_tokens_cut_as_deep_as_tokens() -> None:
     for _ in range(30):
         ctl.on_admit(800)
         true.on_admit(400)
-    assert ctl.limit == true.limit == 17
+    assert ctl.limit == true.limit == 15
+
+
+def test_a_cut_sized_short_is_cut_deeper_by_the_next_admissions() -> None:
+    ctl = settled()
+    for p in (400, 400, 400, 400, 100, 100, 100):
+        ctl.on_admit(p)
+    assert ctl.limit == 40  # a short run of large prompts: the slow mean stays under x1.3
+    limits = []
+    for _ in range(9):
+        ctl.on_admit(400)
+        limits.append(ctl.limit)
+    # the first cut is sized by a last-4 mean that still holds 100s (x1.4); the 8 admissions
+    # after it are all 400: the footprint they show is x1.75 the one the cut assumed
+    assert limits == [28, 28, 28, 28, 28, 28, 28, 28, 16]
+
+
+def test_admissions_smaller_than_the_cut_assumed_never_raise_it() -> None:
+    ctl = settled()
+    for _ in range(5):
+        ctl.on_admit(400)
+    assert ctl.limit == 15
+    for _ in range(9):
+        ctl.on_admit(150)
+        assert ctl.limit == 15  # growth needs evidence the engine takes more: probing
+
+
+def _settled_long_answers() -> tuple[Knee, float]:
+    """As `settled`, but answers are 300 tokens: the footprint is prompt + 150."""
+    ctl = Knee(KneeConfig(initial=40, max_limit=40, window=5.0, probe_every=100))
+    t = 0.0
+    for _ in range(2):
+        t = window(ctl, t, 40, 800.0, out=300)
+    for _ in range(30):
+        ctl.on_admit(100)
+    return ctl, t
+
+
+@pytest.mark.parametrize("engine_windows", [False, True])
+def test_windows_without_samples_leave_the_answer_length(engine_windows: bool) -> None:
+    ctl, t = _settled_long_answers()
+    if engine_windows:
+        # 20 s of engine scrapes and no request finished: windows close on the counters
+        # alone; their mean answer is no reading (it read 0 and halved the answer length)
+        gen = 0.0
+        for _ in range(40):
+            t, gen = t + 0.5, gen + 400.0
+            ctl.on_engine_stats(EngineStats(t, 40, 0, 0.5, 0, gen))
+            ctl.on_tick(t, 40)
+    limits = []
+    for _ in range(12):
+        ctl.on_admit(400)
+        limits.append(ctl.limit)
+    # (400 + 150) / (100 + 150): the shift shows on the 12th admission either way
+    assert limits == [40] * 11 + [23]
 
 
 @pytest.mark.parametrize("name", sorted(CONTROLLERS))
