@@ -151,22 +151,31 @@ class _Conn(asyncio.Protocol):
     # A waiter is left in place once done; `_wake` skips done (or cancelled) futures, so
     # the reader needs no try/finally per wait.
 
+    def _next(self) -> asyncio.Future[None]:
+        """A future the socket's next callback resolves (a future: no coroutine per wait)."""
+        self.waiter = fut = self.loop.create_future()
+        return fut
+
+    def _ended(self) -> bool:
+        """True once the body is complete; raises the connection's error if it failed."""
+        if self.done:
+            return True
+        if self.error is not None:
+            raise self.error
+        return False
+
     async def read_head(self) -> None:
         while not self.got_headers:
             if self.error is not None:
                 raise self.error
-            self.waiter = fut = self.loop.create_future()
-            await fut
+            await self._next()
 
     async def read(self) -> bytes:
         """The body bytes buffered so far, waiting for some; b"" at the end."""
         while not self.buf:
-            if self.done:
+            if self._ended():
                 return b""
-            if self.error is not None:
-                raise self.error
-            self.waiter = fut = self.loop.create_future()
-            await fut
+            await self._next()
         return self._take()
 
     async def pipe(self, sink: Callable[[bytes], bool]) -> bytes:
@@ -184,12 +193,9 @@ class _Conn(asyncio.Protocol):
             while True:
                 if self.buf and (self.done or not self._push(sink)):
                     return self._take()
-                if self.done:
+                if self._ended():
                     return b""
-                if self.error is not None:
-                    raise self.error
-                self.waiter = fut = self.loop.create_future()
-                await fut
+                await self._next()
         finally:
             self.sink = None
 

@@ -42,6 +42,13 @@ def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
     )
 
 
+async def answer_lifespan(receive: Any, send: Any) -> None:
+    """The lifespan protocol for a test's bare ASGI engine: start, then stop when told."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
 class FakeEngine:
     """A tiny OpenAI-ish engine: SSE completions with a delay per event, counts what it saw.
 
@@ -60,9 +67,7 @@ class FakeEngine:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (msg := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await answer_lifespan(receive, send)
             return
         path = scope["path"]
         if path == "/health":

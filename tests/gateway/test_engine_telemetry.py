@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import gw_config, scrape, serve, total
+from gw_helpers import answer_lifespan, gw_config, scrape, serve, total
 from prometheus_client import CollectorRegistry
 
 from controllers.base import EngineStats
@@ -191,9 +191,7 @@ class MetricsEngine:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await answer_lifespan(receive, send)
             return
         status, body = 200, b"{}"
         if scope["path"] == "/metrics":

@@ -18,7 +18,7 @@ import anyio
 import httptools
 import httpx
 import pytest
-from gw_helpers import FakeEngine, gw_config, serve
+from gw_helpers import FakeEngine, answer_lifespan, gw_config, serve
 
 from gateway.app import build_app
 from gateway.upstream_client import UpstreamClient
@@ -107,9 +107,7 @@ class BigStream:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await answer_lifespan(receive, send)
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
