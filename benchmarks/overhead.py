@@ -10,6 +10,9 @@ with `--repeat N` the medians of N rounds.
 
 Load shapes: `short` = 16 events, no delay; `realistic` = 64 events at 20 ms. The fixed limit is
 set far above the offered concurrency, so admission never queues: this measures the relay.
+The workers' first requests are spread over one stream's duration (1.28 s for realistic), so
+completions arrive at an even rate; `--lockstep` starts them together, as before 2026-11-30:
+then 1024 requests arrive within milliseconds every 1.3 s and req/s counts whole waves.
 """
 
 from __future__ import annotations
@@ -169,11 +172,18 @@ def _nginx(up_port: int) -> Iterator[tuple[int, int]]:
 
 
 def _cell(target: str, shape: str, conc: int, port: int, seconds: float,
-          pid: int | None) -> Cell:
-    """One closed-loop run in its own pinned client process; CPU of `pid` meanwhile."""
+          pid: int | None, lockstep: bool = False) -> Cell:
+    """One closed-loop run in its own pinned client process; CPU of `pid` meanwhile.
+
+    The workers' first requests are spread over one stream's duration (see
+    `rawhttp.run_load`), unless `lockstep`: then all start at once and stay in waves.
+    """
+    events, interval = SHAPES[shape]
+    stagger = 0.0 if lockstep else events * interval
     cmd = [*_pin(CLIENT_CORE), sys.executable, "-m", "benchmarks.rawhttp", "load",
            "--url", f"http://127.0.0.1:{port}/v1/completions",
-           "--concurrency", str(conc), "--seconds", str(seconds), "--warmup", "1"]
+           "--concurrency", str(conc), "--seconds", str(seconds),
+           "--warmup", f"{1 + 1.5 * stagger:g}", "--stagger", f"{stagger:g}"]
     cpu0, t0 = (_cpu_seconds(pid), time.monotonic()) if pid else (0.0, 0.0)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True)
     cpu = (_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0) if pid else float("nan")
@@ -183,22 +193,23 @@ def _cell(target: str, shape: str, conc: int, port: int, seconds: float,
 
 
 def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
-               workers_at: int | None) -> list[Cell]:
+               workers_at: int | None, lockstep: bool = False) -> list[Cell]:
     cells: list[Cell] = []
     have_nginx = shutil.which("nginx") is not None
     for shape in shapes:
         for conc in concs:
             for _ in range(repeat):
                 with _upstream(shape) as up:
-                    cells.append(_cell("direct", shape, conc, up, seconds, None))
+                    cells.append(_cell("direct", shape, conc, up, seconds, None, lockstep))
                     with _gateway(up, 1) as (gp, pid):
-                        cells.append(_cell("kneegate", shape, conc, gp, seconds, pid))
+                        cells.append(_cell("kneegate", shape, conc, gp, seconds, pid, lockstep))
                     if workers_at == conc and shape == "realistic":
                         with _gateway(up, 2) as (gp, pid):
-                            cells.append(_cell("kneegate-2w", shape, conc, gp, seconds, pid))
+                            cells.append(_cell("kneegate-2w", shape, conc, gp, seconds, pid,
+                                               lockstep))
                     if have_nginx:
                         with _nginx(up) as (np_, pid):
-                            cells.append(_cell("nginx", shape, conc, np_, seconds, pid))
+                            cells.append(_cell("nginx", shape, conc, np_, seconds, pid, lockstep))
                 _report_progress(cells[-1])
     return cells
 
@@ -259,12 +270,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="also run 2 gateway workers at this realistic concurrency (0: never)")
     p.add_argument("--quick", action="store_true", help="realistic x256 only")
     p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--lockstep", action="store_true",
+                   help="start every worker at once (waves; the method before 2026-11-30)")
     args = p.parse_args(argv)
     shapes = ["realistic"] if args.quick else args.shapes.split(",")
     concs = [256] if args.quick else [int(c) for c in args.concurrency.split(",")]
     print(f"cpus={os.cpu_count()} client+upstream on core {CLIENT_CORE}, proxy on core "
           f"{PROXY_CORES}; {args.seconds:g}s per cell, {args.repeat} round(s), medians")
-    cells = run_matrix(shapes, concs, args.seconds, args.repeat, args.workers_at or None)
+    cells = run_matrix(shapes, concs, args.seconds, args.repeat, args.workers_at or None,
+                       args.lockstep)
     rows = print_table(cells)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

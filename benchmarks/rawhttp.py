@@ -117,6 +117,7 @@ class LoadResult:
     errors: int = 0
     events: int = 0
     ttfts: list[float] = field(default_factory=list)
+    first_sent: list[float] = field(default_factory=list)  # each worker's first request
 
     @property
     def rps(self) -> float:
@@ -138,8 +139,10 @@ class _Client(asyncio.Protocol):
     """One keep-alive connection running requests back to back (a closed-loop worker)."""
 
     def __init__(self, request: bytes, result: LoadResult, window: tuple[float, float],
-                 done: asyncio.Future[None]) -> None:
+                 done: asyncio.Future[None], delay: float = 0.0) -> None:
         self.request, self.result, self.window, self.done = request, result, window, done
+        self.delay = delay  # before the first request (staggered start)
+        self.first = True
         self.transport: asyncio.Transport | None = None
         self._reset()
 
@@ -156,7 +159,10 @@ class _Client(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self._send()
+        if self.delay > 0:
+            asyncio.get_running_loop().call_later(self.delay, self._send)
+        else:
+            self._send()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.done.done():
@@ -169,6 +175,9 @@ class _Client(asyncio.Protocol):
             return
         self._reset()
         self.sent_at = time.perf_counter()
+        if self.first:
+            self.first = False
+            self.result.first_sent.append(self.sent_at)
         self.transport.write(self.request)
 
     def data_received(self, data: bytes) -> None:
@@ -213,8 +222,17 @@ class _Client(asyncio.Protocol):
 
 
 async def run_load(url: str, concurrency: int, seconds: float, warmup: float = 1.0,
-                   max_tokens: int = 64) -> LoadResult:
-    """Closed loop: `concurrency` connections, each request after the last, for `seconds`."""
+                   max_tokens: int = 64, stagger: float = 0.0) -> LoadResult:
+    """Closed loop: `concurrency` connections, each request after the last, for `seconds`.
+
+    `stagger`: worker i sends its first request i/concurrency of `stagger` seconds after
+    connecting. Set it to about one request's duration: workers that all start together
+    stay in lock-step (every request takes the same time), so completions come in waves
+    and the count inside the window depends on how many waves it holds (a 6 s window and
+    1.3 s streams: exactly 5 waves, 853.3 req/s at 1024, wherever the true rate is); spread
+    over a cycle, they complete at an even rate and the window measures it. Keep `warmup`
+    above one request's duration so the window opens on that even rate.
+    """
     u = urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     body = json.dumps({"model": "bench", "prompt": "hi", "max_tokens": max_tokens,
@@ -228,11 +246,12 @@ async def run_load(url: str, concurrency: int, seconds: float, warmup: float = 1
     window = (start + warmup, start + warmup + seconds)
     result = LoadResult(seconds=seconds)
     dones: list[asyncio.Future[None]] = []
-    for _ in range(concurrency):
+    for i in range(concurrency):
         done: asyncio.Future[None] = loop.create_future()
         dones.append(done)
+        delay = stagger * i / concurrency
         await loop.create_connection(
-            lambda d=done: _Client(request, result, window, d),  # type: ignore[misc]
+            lambda d=done, w=delay: _Client(request, result, window, d, w),  # type: ignore[misc]
             host, port,
         )
     # every worker stops by itself at the window's end; the extra margin bounds a hung one
@@ -254,12 +273,15 @@ def main(argv: list[str] | None = None) -> None:
     ld.add_argument("--concurrency", type=int, default=16)
     ld.add_argument("--seconds", type=float, default=10)
     ld.add_argument("--warmup", type=float, default=1.0)
+    ld.add_argument("--stagger", type=float, default=0.0,
+                    help="spread the workers' first requests over this many seconds")
     args = p.parse_args(argv)
     _use_uvloop()
     if args.cmd == "serve":
         asyncio.run(_serve_for(args))
     else:
-        r = asyncio.run(run_load(args.url, args.concurrency, args.seconds, args.warmup))
+        r = asyncio.run(run_load(args.url, args.concurrency, args.seconds, args.warmup,
+                                 stagger=args.stagger))
         out = {"rps": r.rps, "eps": r.eps, "ok": r.ok, "errors": r.errors,
                "ttft_p50": r.ttft_pct(50), "ttft_p99": r.ttft_pct(99)}
         json.dump(out, sys.stdout)

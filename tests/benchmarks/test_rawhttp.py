@@ -1,0 +1,39 @@
+"""The overhead benchmark's closed-loop client: a staggered start spreads the workers.
+
+Workers started together stay in lock-step when every stream takes the same time, and the
+benchmark then counts waves instead of measuring a rate (see `rawhttp.run_load`). Real
+sockets on 127.0.0.1, the real upstream; each run is bounded by its seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.rawhttp import run_load, serve
+
+pytestmark = pytest.mark.anyio
+
+WORKERS = 8
+
+
+async def _load(stagger: float) -> tuple[float, int]:
+    server = await serve("127.0.0.1", 0, events=2, interval=0.05)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        r = await run_load(f"http://127.0.0.1:{port}/v1/completions", WORKERS, seconds=0.5,
+                           warmup=0.5, stagger=stagger)
+    assert len(r.first_sent) == WORKERS
+    return max(r.first_sent) - min(r.first_sent), r.ok
+
+
+async def test_staggered_workers_send_their_first_requests_over_the_stagger() -> None:
+    spread, ok = await _load(stagger=0.4)
+    # worker i starts at i/8 of 0.4 s: the last one 0.35 s after the first
+    assert 0.3 <= spread < 0.6
+    assert ok > 0
+
+
+async def test_unstaggered_workers_start_together() -> None:
+    spread, ok = await _load(stagger=0.0)
+    assert spread < 0.2
+    assert ok > 0
