@@ -327,6 +327,8 @@ class _Sim:
         r = _Req(f"r{n}", cls, gw, t, prompt, out)
         self.all.append(r)
         ticket = Ticket(cls, t, payload=r)
+        # as the gateway does when a request joins its queue: the true size (see _dispatch)
+        self.ups[gw].controller.on_arrival(prompt)
         verdict = self.queues[gw].offer(ticket, t)
         if isinstance(verdict, Admitted):
             self._dispatch(ticket, t)

@@ -112,6 +112,12 @@ class Controller(Protocol):
         sizes, never the absolute number."""
         ...
 
+    def on_arrival(self, prompt_tokens: int) -> None:
+        """A request that this upstream may serve joined the gateway's queue (or was admitted
+        at once), with about this many prompt tokens: the same estimate as `on_admit`, seconds
+        earlier under overload, when the queue ahead still holds older requests."""
+        ...
+
     def state(self) -> dict[str, Any]: ...
 
 
@@ -167,6 +173,9 @@ class LimitController:
 
     def on_admit(self, prompt_tokens: int) -> None:
         """An admission's prompt size estimate; ignored unless a subclass uses it."""
+
+    def on_arrival(self, prompt_tokens: int) -> None:
+        """An arrival's prompt size estimate; ignored unless a subclass uses it."""
 
     def state(self) -> dict[str, Any]:
         return {"name": self.name, "limit": self.limit, "knee_estimate": self.knee_estimate}

@@ -95,16 +95,31 @@ After a change (slower GPU, longer prompts, a noisy neighbour):
   samples: a window closed on the engine's counters alone read 0 and halved it (154 and
   later ~0 tokens where answers average 256), and the footprint took it, cutting by the
   prompts' ratio alone.
+At the KV-cache edge (one gateway; a request count is too coarse there: 11 large requests
+fill L4's cache, 12 start a preemption storm that halves goodput, 10 lose ~9%):
+- prompt sizes are read where requests arrive (`on_arrival`) when the gateway reports them,
+  not at admission, which under overload lags them by the queue's wait (~5 s at 3x);
+- each scrape sets the limit to what runs plus the free KV, (`kv_target` - KV use) x the
+  capacity less one answer's growth, over a new request's peak (prompt + mean answer); each
+  finish before the next scrape gives back its own prompt + answer (a small one frees a
+  fraction of a slot). The capacity, in tokens, is learnt from running x (prompt + half an
+  answer) / KV use while sizes hold still and nothing is preempted (a storm reads the cache
+  full with fewer requests). Where the room binds it is the limit (above the window's
+  while small requests from before a rescale drain: their KV is what frees), elsewhere a
+  cap. Estimates are put into tokens by a ratio learnt while sizes hold still (arrivals
+  include the shed; admissions lead finishes by a lifetime).
 Measured in `benchmarks.simulate` (seed 7): after a halving of the engine's speed goodput
-stays within 10% of the switching oracle from the change on. After prompts grow 4x the cut
-comes ~8 s after the change (the queue ahead still holds requests that arrived before it,
-max_wait 5 s) and lands at the oracle's 11 at seed 7; settle times (seeds 7/1/2) went
-83/72/0 s -> 63/70/0 s (seeds 3-6, 8: 92/105/76/79/inf -> 67/inf/0/0/54; goodput over the
-8 seeds 1.35 -> 1.43 x the fixed oracle). What remains is the steady state at the KV
-cliff: 11 large requests fill it, the limit sits at 10-12 on a room read from few
-requests (noisy), 12 preempts and a preemption storm halves goodput for ~20 s, while 10
-loses ~10%. A limit one request off the oracle is the settle clock's whole margin here.
-Tried and dropped: a correction by the mean of the next 8 admissions after a cut with the
+stays within 10% of the switching oracle from the change on. After prompts grow 4x, with
+arrivals and the KV-edge limit, the cut comes ~1 s after the change and the drain admits
+large requests as the small ones' KV frees; settle times over seeds 7/1/2/3/4/5/6/8 went
+63/70/0/67/inf/0/0/54 -> 0/64/0/3/7/106/0/0 s (goodput 1.43 -> 1.45 x the fixed oracle).
+Still short at seeds 1 and 5: 10-11 unusually large prompts storm the cache at a KV use
+the capacity estimate allowed (seed 5 read the capacity 10% high), and a storm, once
+started, lasts until requests finish (the gateway admits none, but cannot stop it).
+Tried and dropped: a KV target lowered 0.02 per preempting scrape and raised a tenth of
+that per clean one (8-seed settles 56/76/0 at 7/1/2); a capacity estimate that falls 4x
+faster than it rises (seeds 7/1/2 0/96/0, 5 and 6 worse); `footprint_jump` 1.5 (48/86/inf
+at 7/1/2). Earlier: a correction by the mean of the next 8 admissions after a cut with the
 answer length still broken (it over-cut: 150 s); a harder cut while the KV cache per
 running request grows (x 0.7 per window: 114 s); no room rise past a running count that
 preempted within `objective_memory` (8-seed goodput 1.43 -> 1.40; seed 7 settles 0 but
@@ -189,6 +204,12 @@ class KneeConfig(BaseControllerConfig):
     footprint_jump: float = Field(
         1.3, gt=1.05, le=10, description="footprint ratio, recent to learned, that rescales"
     )
+    kv_target: float = Field(
+        0.95, gt=0.1, le=1.0, description="KV-cache use the KV-edge limit admits up to"
+    )
+    kv_learn: float = Field(
+        0.05, gt=0, le=1, description="weight of one scrape in the KV capacity estimate"
+    )
 
 
 @dataclass(slots=True)
@@ -259,7 +280,8 @@ class Knee(LimitController):
         self._probing = False  # this window's target is a probe above the knee
         self._now = -math.inf  # the last tick's time
         # prompt sizes at admission (estimates: only their ratios mean anything)
-        self._admits = 0
+        self._admits = 0  # prompts noted (arrivals, or admissions without them)
+        self._admitted = 0
         self._p_recent = 0.0  # EWMA over ~admit_recent admissions: detects a shift
         # the last admit_last admissions, unweighted: measures a shift's size (an EWMA
         # still holds the old size when the slow mean tells the shift, 3-5 admissions in)
@@ -273,15 +295,51 @@ class Knee(LimitController):
         self._rescaled_at = -math.inf  # the last rescale by footprint
         self._confirm: list[float] | None = None  # admissions since it, until admit_confirm
         self._old_finish = -math.inf  # last finish of a request admitted before it
+        self._arrivals_seen = False  # the gateway reports arrivals: admissions are not read
+        self._kv_tokens: float | None = None  # the engine's KV capacity, in prompt tokens
+        self._kv_limit: float | None = None  # in-flight that fills it to kv_target, now
+        # the last scrape's (time, running, free KV tokens, a new request's peak tokens)
+        self._kv_scrape: tuple[float, float, float, float] | None = None
+        self._finished: deque[tuple[float, float]] = deque()  # (finished_at, KV tokens freed)
+        self._k = 1.0  # engine prompt tokens per admitted estimate, learnt while sizes hold
+        self._kv_prev: EngineStats | None = None
+        self._room_binds = False  # the engine's room, not the throughput curve, sets the knee
+
+    @property
+    def limit(self) -> int:
+        base = super().limit
+        kv = self._kv_limit
+        if kv is None or (self._share_est or 1.0) < 0.9:
+            return base
+        # where the room binds the KV edge sets the limit (above the window's while small
+        # requests sized before a rescale drain); elsewhere it only caps it
+        kv = min(kv, self.ceiling()) if self._room_binds else min(kv, base)
+        return max(self.cfg.min_limit, min(self.cfg.max_limit, math.floor(kv)))
 
     # --- inputs -----------------------------------------------------------------------
 
+    def on_arrival(self, prompt_tokens: int) -> None:
+        """The leading signal, read where requests join the queue: under overload the queue
+        ahead delays the same sizes at admission by its wait (~5 s at 3x)."""
+        self._arrivals_seen = True
+        self._note_prompt(prompt_tokens)
+
     def on_admit(self, prompt_tokens: int) -> None:
-        """A leading signal: when recent admissions' KV footprint (prompt + mean output)
-        moves past `footprint_jump` x the learned one, the room and limit scale at once."""
+        """The leading signal from admissions, for a gateway that does not report arrivals.
+        Admissions are also the population whose prompts finish: their slow mean, beside
+        finished requests' prompt tokens, puts estimates into tokens (arrivals include the
+        shed and timed out, and lead finishes by the queue and a lifetime)."""
+        self._admitted += 1
+        p = float(max(prompt_tokens, 1))
+        self._p_slow += (p - self._p_slow) / min(self._admitted, self.cfg.admit_learned)
+        if not self._arrivals_seen:
+            self._note_prompt(prompt_tokens)
+
+    def _note_prompt(self, prompt_tokens: int) -> None:
+        """When recent prompts' KV footprint (prompt + mean output) moves past
+        `footprint_jump` x the learned one, the room and limit scale at once."""
         c, p = self.cfg, float(max(prompt_tokens, 1))
         self._admits += 1
-        self._p_slow += (p - self._p_slow) / min(self._admits, c.admit_learned)
         if self._admits == 1:
             self._p_recent = self._p_learned = p
             self._last.append(p)
@@ -326,7 +384,7 @@ class Knee(LimitController):
         """Recent over learned (prompt + mean output): output tokens from samples, prompts
         put into the engine's tokens by the ratio of finished prompts to admitted estimates."""
         k = self._p_done / self._p_slow if self._p_done > 0 and self._p_slow > 0 else 1.0
-        k = max(0.25, min(4.0, k))
+        k = max(0.25, min(4.0, k))  # read live: it damps a short run of large prompts
         out = self._out_done / 2  # a running request holds half its answer, on average
         return (k * recent + out) / (k * self._p_learned + out)
 
@@ -335,6 +393,7 @@ class Knee(LimitController):
         curve is relearnt; samples admitted before measure a level the limit left. `size`:
         the prompt size a confirmation measured (no further confirmation follows it)."""
         self._set_limit(max(1.0, self._limit / r))
+        self._kv_limit = self._kv_scrape = None  # the next scrape sizes it anew
         if math.isfinite(self._room):
             self._room /= r
         if self.knee_estimate is not None:
@@ -352,6 +411,7 @@ class Knee(LimitController):
     def _on_sample(self, s: Sample) -> None:
         if s.admitted_at < self._rescaled_at:
             self._old_finish = max(self._old_finish, s.finished_at)
+        self._note_finish(s)
         if s.prompt_tokens > 0:
             self._dones += 1
             w = 1 / min(self._dones, self.cfg.admit_learned)
@@ -372,6 +432,56 @@ class Knee(LimitController):
             w.stats.append(self._prev_stats)  # counters need a baseline: span the whole window
         w.stats.append(stats)
         self._prev_stats = stats
+        self._kv_edge(stats)
+
+    def _kv_edge(self, st: EngineStats) -> None:
+        """The in-flight count that fills the KV cache to the KV target, from this scrape: what
+        runs now, plus the free KV (less one answer's growth) over a new request's peak
+        footprint (prompt + answer). Requests waiting in the engine hold no KV yet but will:
+        they are in-flight, so they take their part of the free KV (no `+ waiting`). The
+        capacity is learnt while sizes hold still and nothing is preempted."""
+        prev, c = self._kv_prev, self.cfg
+        self._kv_prev = st
+        p, out, kv = self._tokens(self._p_learned), self._out_done, st.kv_cache_usage
+        if st.running <= 0 or kv <= 0 or p <= 0 or out <= 0:
+            return
+        preempted = prev is not None and st.preemptions_total > prev.preemptions_total
+        if self._settled(st.at) and kv >= 0.3 and st.waiting == 0 and not preempted:
+            cap = st.running * (p + out / 2) / kv
+            self._kv_tokens = _blend(self._kv_tokens, cap, c.kv_learn)
+        if self._kv_tokens is None:
+            return
+        free = (c.kv_target - kv) * self._kv_tokens - out
+        self._kv_scrape = (st.at, st.running, free, p + out)
+        self._update_kv_limit()
+
+    def _note_finish(self, s: Sample) -> None:
+        """A finished request frees its prompt and answer: room for new ones before the next
+        scrape shows it (a small one frees a fraction of a large one's room)."""
+        if self._p_done > 0 and self._p_slow > 0 and self._settled(s.finished_at):
+            self._k = max(0.25, min(4.0, self._p_done / self._p_slow))
+        prompt = s.prompt_tokens or self._tokens(self._p_learned)
+        self._finished.append((s.finished_at, prompt + s.output_tokens))
+        while self._finished and self._finished[0][0] < s.finished_at - self.cfg.max_window:
+            self._finished.popleft()
+        self._update_kv_limit()
+
+    def _update_kv_limit(self) -> None:
+        if self._kv_scrape is None:
+            return
+        at, running, free, new = self._kv_scrape
+        since = [fp for t, fp in self._finished if t > at]
+        self._kv_limit = running - len(since) + math.floor((free + sum(since)) / new)
+
+    def _settled(self, now: float) -> bool:
+        """No rescale lately and no request sized before it still finishing."""
+        return now > self._old_finish + self.cfg.window and (
+            now > self._rescaled_at + self.cfg.max_window
+        )
+
+    def _tokens(self, estimate: float) -> float:
+        """A prompt estimate in the engine's tokens (finished prompts over admitted estimates)."""
+        return self._k * estimate
 
     def _on_tick(self, now: float, inflight: int) -> None:
         self._now = now
@@ -537,6 +647,7 @@ class Knee(LimitController):
 
     def _knee_now(self) -> float | None:
         fit, _ = self.knee()
+        self._room_binds = self._room <= (fit or math.inf)
         knee = min(fit or math.inf, self._room)
         return knee if math.isfinite(knee) else None
 

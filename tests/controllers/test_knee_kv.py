@@ -1,0 +1,72 @@
+"""knee at the KV-cache edge: arrivals lead, and the limit follows the engine's free KV."""
+
+from __future__ import annotations
+
+from ctl_helpers import make_sample, scrape, window
+
+from controllers import Knee, KneeConfig
+
+
+def settled(initial: int = 40) -> Knee:
+    """Two windows at `initial` (100-token prompts and answers), 30 arrivals of 100."""
+    ctl = Knee(KneeConfig(initial=initial, max_limit=initial, window=5.0, probe_every=100))
+    t = 0.0
+    for _ in range(2):
+        t = window(ctl, t, initial, 800.0)
+    for _ in range(30):
+        ctl.on_admit(100)
+        ctl.on_arrival(100)
+    return ctl
+
+
+def test_arrivals_tell_a_prompt_jump_before_any_admission() -> None:
+    ctl = settled()
+    limits = []
+    for _ in range(5):
+        ctl.on_arrival(400)
+        limits.append(ctl.limit)
+    # the same rule as at admission (footprint x3: 150 -> 450), seconds earlier under load
+    assert limits == [40, 40, 40, 13, 13]
+
+
+def test_admissions_are_not_read_twice_once_arrivals_are() -> None:
+    ctl = settled()
+    for _ in range(40):
+        ctl.on_admit(400)  # the requests that arrived before the jump, now admitted
+    assert ctl.limit == 40
+
+
+def kv_ready() -> Knee:
+    """A knee that knows 100-token prompts and answers and an engine whose KV holds 3000
+    tokens: 10 running at half the cache, 10 x (100 + 50) / 0.5."""
+    ctl = settled()
+    ctl.on_engine_stats(scrape(1.0, running=10, kv=0.5))
+    return ctl
+
+
+def test_the_limit_fills_the_free_kv_with_new_requests() -> None:
+    ctl = kv_ready()
+    # free: (0.95 - 0.5) x 3000 - 100 (one answer's growth) = 1250 tokens; a new request
+    # peaks at 100 + 100: 6 more than the 10 running
+    assert ctl.limit == 16
+    ctl.on_engine_stats(scrape(2.0, running=10, kv=0.9))
+    assert ctl.limit == 10  # (0.95 - 0.9) x 3000 - 100 = 50: no room for another
+
+
+def test_a_finish_frees_its_own_footprint_before_the_next_scrape() -> None:
+    ctl = kv_ready()
+    ctl.on_sample(make_sample(admitted_at=0.0, duration=1.5))  # 100 + 100: one slot back
+    assert ctl.limit == 16
+    # a small one (20 + 30 tokens) frees a quarter of what a new request needs
+    ctl.on_sample(make_sample(admitted_at=0.0, duration=1.6, prompt_tokens=20, output_tokens=30))
+    assert ctl.limit == 15
+
+
+def test_a_scrape_that_saw_a_preemption_teaches_no_capacity() -> None:
+    ctl = kv_ready()
+    for n in range(1, 11):  # a storm: 10 running fill the cache while preempting
+        ctl.on_engine_stats(scrape(1.0 + n, running=10, kv=1.0, preemptions=n))
+    ctl.on_engine_stats(scrape(12.0, running=10, kv=0.5, preemptions=10))
+    # the capacity is still 3000 tokens (read from those scrapes it would fall toward 1500
+    # and the limit to 14)
+    assert ctl.limit == 16
