@@ -226,15 +226,22 @@ class Proxy:
         self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[bytes, bytes]],
         body: bytes, rid: bytes, cls: str, writer: BodyWriter | None,
     ) -> None:
+        # A leading signal of the KV footprint: about 4 bytes a token (JSON overhead is a
+        # constant factor; controllers use ratios of sizes only). Every upstream that may
+        # serve the request hears of it as it arrives, queued or shed included (under
+        # overload the queue delays admissions by seconds); the one it is dispatched to,
+        # again at admission.
+        size = len(body) // 4
+        for up in self.pool.active:
+            if up.usable:
+                up.controller.on_arrival(size)
         try:
             permit = await self.gate.acquire(cls)
         except Rejection as exc:
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         ex.admitted_at = permit.admitted_at
-        # a leading signal of the KV footprint: about 4 bytes a token (JSON overhead is a
-        # constant factor; controllers use ratios of sizes only)
-        permit.upstream.controller.on_admit(len(body) // 4)
+        permit.upstream.controller.on_admit(size)
         self.active.add(ex)
         resp: UpstreamResponse | None = None
         tap: Tap | None = None

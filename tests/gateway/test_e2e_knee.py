@@ -15,8 +15,10 @@ time. About 15 s of wall time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -79,16 +81,32 @@ class Watch:
         self.client, self.gw = client, gw
         self.limit, self.since = -1, time.monotonic()
         self.up: dict[str, Any] = {}
+        self.history: list[tuple[float, int]] = []  # (when, limit) at each change
 
     async def poll(self) -> dict[str, Any]:
         self.up = (await self.client.get(self.gw + "/kneegate/status")).json()["upstreams"][0]
         if self.up["limit"] != self.limit:
             self.limit, self.since = self.up["limit"], time.monotonic()
+            self.history.append((self.since, self.limit))
         await asyncio.sleep(0.1)
         return self.up
 
     def held_for(self) -> float:
         return time.monotonic() - self.since
+
+    def story(self) -> str:
+        """The limit's changes so far, for a failure message."""
+        t0 = self.history[0][0] if self.history else 0.0
+        steps = ", ".join(f"{t - t0:.1f}s:{limit}" for t, limit in self.history)
+        return f"limit history [{steps}]; controller state {self.up.get('controller')}"
+
+
+@contextlib.contextmanager
+def _explained(watch: Watch, what: str) -> Iterator[None]:
+    try:
+        yield
+    except TimeoutError:
+        pytest.fail(f"{what}: {watch.story()}")
 
 
 async def test_knee_limit_settles_then_falls_when_the_engine_slows_down() -> None:
@@ -100,7 +118,8 @@ async def test_knee_limit_settles_then_falls_when_the_engine_slows_down() -> Non
             loop, watch = Loop(client, gw), Watch(client, gw)
             try:
                 # 1. settle: the limit grew out of slow start, learned a curve, and holds
-                with anyio.fail_after(20):
+                with _explained(watch, "the limit did not settle within 20 s"), \
+                        anyio.fail_after(20):
                     while not (watch.held_for() >= 2.0 and watch.up["controller"]["curve"]
                                and watch.up["engine"]["stale"] is False):
                         await watch.poll()
@@ -115,7 +134,9 @@ async def test_knee_limit_settles_then_falls_when_the_engine_slows_down() -> Non
                 assert r.status_code == 200
                 slowed_at = time.monotonic()
                 target = 0.7 * min(settled, CLIENTS)
-                with anyio.fail_after(20):
+                with _explained(watch, f"the limit did not fall to {target:g} within 20 s "
+                                       f"of the slowdown (settled at {settled})"), \
+                        anyio.fail_after(20):
                     while watch.limit > target:
                         await watch.poll()
                 fell_in = time.monotonic() - slowed_at

@@ -1,9 +1,16 @@
-"""The gateway tells the upstream's controller each admission's prompt-size estimate."""
+"""The gateway tells controllers each request's prompt-size estimate: at arrival and admission.
+
+`on_arrival` goes to every usable upstream's controller as the request arrives (a shed one
+too); `on_admit` to the controller of the upstream it is dispatched to. Both get
+len(body) // 4, JSON included.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import anyio
 import httpx
 import pytest
 from gw_helpers import FakeEngine, gw_config, serve
@@ -11,6 +18,14 @@ from gw_helpers import FakeEngine, gw_config, serve
 from gateway.app import build_app
 
 pytestmark = pytest.mark.anyio
+
+SMALL = json.dumps({"prompt": "x" * 40, "max_tokens": 3}).encode()
+LARGE = json.dumps({"prompt": "x" * 4000, "max_tokens": 3}).encode()
+JSON = {"content-type": "application/json"}
+
+
+def _upstream(name: str, url: str) -> dict[str, object]:
+    return {"name": name, "url": url, "controller": "fixed", "params": {"initial": 1}}
 
 
 async def test_controller_sees_on_admit_with_the_body_size_estimate() -> None:
@@ -20,12 +35,37 @@ async def test_controller_sees_on_admit_with_the_body_size_estimate() -> None:
         seen: list[int] = []
         ctl = app.gateway.pool.active[0].controller
         ctl.on_admit = seen.append  # type: ignore[method-assign]
-        small = json.dumps({"prompt": "x" * 40, "max_tokens": 3}).encode()
-        large = json.dumps({"prompt": "x" * 4000, "max_tokens": 3}).encode()
         async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
-            for body in (small, large):
-                r = await client.post(gw + "/v1/completions", content=body,
-                                      headers={"content-type": "application/json"})
+            for body in (SMALL, LARGE):
+                r = await client.post(gw + "/v1/completions", content=body, headers=JSON)
                 assert r.status_code == 200
-        # one call per admitted request, before its answer: bytes // 4, JSON included
-        assert seen == [len(small) // 4, len(large) // 4]
+        # one call per admitted request, before its answer
+        assert seen == [len(SMALL) // 4, len(LARGE) // 4]
+
+
+async def test_every_usable_upstream_hears_each_arrival_shed_ones_included() -> None:
+    engine = FakeEngine(interval=0.2)  # 5 events: each request holds its slot ~1 s
+    async with serve(engine) as up:
+        cfg = gw_config(upstreams=[_upstream("e0", up), _upstream("e1", up)], max_queue=0)
+        app = build_app(cfg)
+        arrivals: dict[str, list[int]] = {"e0": [], "e1": []}
+        admits: list[int] = []
+        for u in app.gateway.pool.active:
+            u.controller.on_arrival = arrivals[u.name].append  # type: ignore[method-assign]
+            u.controller.on_admit = admits.append  # type: ignore[method-assign]
+        body = json.dumps({"prompt": "y" * 400, "max_tokens": 5, "stream": True}).encode()
+        async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
+            # two fill both slots (limit 1 each); a third, with no queue, is shed
+            first = [asyncio.create_task(client.post(gw + "/v1/completions", content=body,
+                                                     headers=JSON)) for _ in range(2)]
+            with anyio.fail_after(5):
+                while engine.running < 2:
+                    await engine.started.wait()
+                    engine.started.clear()
+            shed = await client.post(gw + "/v1/completions", content=SMALL, headers=JSON)
+            assert shed.status_code == 429
+            assert [r.status_code for r in await asyncio.gather(*first)] == [200, 200]
+    size = len(body) // 4
+    for name in ("e0", "e1"):
+        assert sorted(arrivals[name]) == sorted([size, size, len(SMALL) // 4]), name
+    assert admits == [size, size]  # the shed request was never admitted
