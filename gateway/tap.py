@@ -52,15 +52,30 @@ class Tap:
     def usage(self) -> tuple[int, int]:
         """(prompt_tokens, output_tokens); 0 prompt tokens when the body did not say."""
         tail = self._tail()
-        # the last match wins: a final usage chunk follows any per-chunk usage
-        done = _COMPLETION.findall(tail)
-        prompt = _PROMPT.findall(tail)
-        prompt_tokens = int(prompt[-1]) if prompt else 0
-        if done:
-            return prompt_tokens, int(done[-1])
+        done = _last_count(tail, b'"completion_tokens"', _COMPLETION)
+        prompt = _last_count(tail, b'"prompt_tokens"', _PROMPT)
+        prompt_tokens = prompt or 0
+        if done is not None:
+            return prompt_tokens, done
         if not self.streaming:
             return prompt_tokens, 0
         events = self.events - (1 if b"[DONE]" in tail else 0)
-        if prompt:  # a trailing usage-only event carries no token
+        if prompt is not None:  # a trailing usage-only event carries no token
             events -= 1
         return prompt_tokens, max(0, events)
+
+
+def _last_count(tail: bytes, key: bytes, pattern: re.Pattern[bytes]) -> int | None:
+    """The last `"key": N` in `tail` (a final usage chunk follows any per-chunk usage).
+
+    `rfind` first: most bodies carry no usage at all, and a search for a literal skips
+    through them several times faster than the regex scans them.
+    """
+    i = tail.rfind(key)
+    if i < 0:
+        return None
+    m = pattern.match(tail, i)
+    if m is not None:
+        return int(m.group(1))
+    found = pattern.findall(tail, 0, i)  # the last one is not a number: an earlier one
+    return int(found[-1]) if found else None

@@ -58,3 +58,14 @@ def test_non_streamed_json_usage() -> None:
     tap.feed(body[20:])
     assert tap.first_at is None
     assert tap.usage() == (3, 9)
+
+
+def test_the_last_usage_wins_and_a_null_count_falls_back_to_the_one_before() -> None:
+    tap = Tap(Clock(), streaming=True)
+    # per-chunk usage (vLLM's continuous_usage_stats), then a final usage-only chunk
+    tap.feed(_event({"choices": [{"text": "a"}],
+                     "usage": {"prompt_tokens": 7, "completion_tokens": 1}}))
+    tap.feed(_event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2}}))
+    assert tap.usage() == (7, 2)
+    tap.feed(_event({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": None}}))
+    assert tap.usage() == (8, 2)  # no number in the last: the count before it
