@@ -8,12 +8,12 @@ from controllers import Knee, KneeConfig
 
 
 def settled(initial: int = 40) -> Knee:
-    """Two windows at `initial` (100-token prompts and answers), 30 arrivals of 100."""
+    """Two windows at `initial` (100-token prompts and answers), 200 arrivals of 100."""
     ctl = Knee(KneeConfig(initial=initial, max_limit=initial, window=5.0, probe_every=100))
     t = 0.0
     for _ in range(2):
-        t = window(ctl, t, initial, 800.0)
-    for _ in range(30):
+        t = window(ctl, t, initial, 800.0, n=10)  # 20 finishes: tokens per estimate learnt
+    for _ in range(200):
         ctl.on_admit(100)
         ctl.on_arrival(100)
     return ctl
@@ -46,11 +46,12 @@ def kv_ready() -> Knee:
 
 def test_the_limit_fills_the_free_kv_with_new_requests() -> None:
     ctl = kv_ready()
-    # free: (0.95 - 0.5) x 3000 - 100 (one answer's growth) = 1250 tokens; a new request
-    # peaks at 100 + 100: 6 more than the 10 running
+    # free: (0.98 - 0.5) x 3000 - 100 (one answer's growth) - 100 (half a new request's
+    # peak, kept in reserve) = 1240 tokens; a new request peaks at 100 + 100: 6 more than
+    # the 10 running
     assert ctl.limit == 16
     ctl.on_engine_stats(scrape(2.0, running=10, kv=0.9))
-    assert ctl.limit == 10  # (0.95 - 0.9) x 3000 - 100 = 50: no room for another
+    assert ctl.limit == 10  # (0.98 - 0.9) x 3000 - 100 - 100 = 40: no room for another
 
 
 def test_a_finish_frees_its_own_footprint_before_the_next_scrape() -> None:
@@ -70,3 +71,25 @@ def test_a_scrape_that_saw_a_preemption_teaches_no_capacity() -> None:
     # the capacity is still 3000 tokens (read from those scrapes it would fall toward 1500
     # and the limit to 14)
     assert ctl.limit == 16
+
+
+def test_the_kv_edge_lifts_the_limit_only_where_the_cache_is_nearly_full() -> None:
+    # a 3000-token cache, 150 tokens a request: 6 running use 30%, the engine holds 20
+    ctl = Knee(KneeConfig(initial=6, max_limit=40, window=5.0, probe_every=100))
+    t = 0.0
+    for _ in range(2):
+        ctl.on_engine_stats(scrape(t + 1, running=6, kv=0.3))
+        t = window(ctl, t, 6, 120.0, n=10)
+    for _ in range(200):
+        ctl.on_arrival(100)
+        ctl.on_admit(100)
+    ctl.on_engine_stats(scrape(t + 1, running=6, kv=0.3))
+    base = ctl.limit
+    assert base == 12  # the window's climb
+    # 10 running at half the cache: 6 more fit, but a cache this empty is not what holds
+    # the engine back (H100: a queue of prefills at 37% KV read as room for 500 more)
+    ctl.on_engine_stats(scrape(t + 2, running=10, kv=0.5))
+    assert ctl.limit == base
+    # at 76% the cache is the edge: its free KV sets the limit, past the window's
+    ctl.on_engine_stats(scrape(t + 3, running=15, kv=0.76))
+    assert ctl.limit == 17
