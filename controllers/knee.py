@@ -123,7 +123,7 @@ the 14 seeds 1.455 x the fixed oracle). What remains is the 1-request quantum: a
 still storm the cache, which the gateway cannot stop once started.
 Tried and dropped: a KV target lowered 0.02 per preempting scrape and raised a tenth of
 that per clean one (8-seed settles 56/76/0 at 7/1/2); a capacity estimate that falls 4x
-faster than it rises (seeds 7/1/2 0/96/0, 5 and 6 worse); `footprint_jump` 1.5 (48/86/inf
+faster than it rises (seeds 7/1/2 0/96/0, 6 and 8 worse); `footprint_jump` 1.5 (48/86/inf
 at 7/1/2); a new request's peak x1.1-1.3 (6, 5, 4 of 8 seeds within 15 s); `kv_target`
 0.95 without reserve (steady-3x seed 7 0.931), 0.99-1.0 with reserve 0.5 (H100 seed 7
 0.919-0.941); no answer's-growth term (steady-3x seed 7 0.948); the KV edge setting the
