@@ -68,7 +68,15 @@ Regions:
 
 After a change (slower GPU, longer prompts, a noisy neighbour):
 - a level whose throughput moves by more than `change` from what the curve holds means the
-  engine changed: the rest of the curve is forgotten and relearnt from the levels met next;
+  engine changed: the curve is forgotten and relearnt from the levels met next, except the
+  breaches of the objectives the change cannot have lifted: those measured since the
+  contradicted point, and all of them when throughput fell (a slower engine breaks them no
+  later). Clearing everything dropped the breach that set the objective ceiling after a 4x
+  slowdown, and the climb doubled the limit again: in the wall-clock e2e test it swung
+  13 <-> 28 for 20 s (a trace of the old code) and the test failed ~1 run in 6; 10 of 10
+  pass with this. Keeping every point measured
+  since the contradicted one (9 of 9 runs pass) kept points from before the change measured
+  after that one;
 - the room falls at once (a full engine caps the limit at `headroom x` its running count in
   the first window that sees its queue or a preemption) and rises smoothed;
 - windows keep closing every `window` seconds on the engine's counters, so both happen
@@ -641,7 +649,7 @@ class Knee(LimitController):
         key = round(math.log(level) / math.log1p(self.cfg.bin_ratio))
         near = self._nearest(level)
         if near is not None and abs(tput - near.throughput) > self.cfg.change * near.throughput:
-            self._curve.clear()  # the engine changed: the rest of the curve is stale
+            self._forget_change(near, slower=tput < near.throughput)  # the engine changed
         old = self._curve.get(key)
         if old is None:
             self._curve[key] = Point(level, tput, w.ttft_p90, w.tpot_p50, bad, w.end, steady)
@@ -660,6 +668,17 @@ class Knee(LimitController):
         if best is None or abs(best.concurrency - level) > 2 * self.cfg.bin_ratio * level:
             return None
         return best
+
+    def _forget_change(self, near: Point, *, slower: bool) -> None:
+        """The engine changed since `near` was measured: the throughput curve is stale, but
+        a breach of the objectives is not, where the change cannot have lifted it: one
+        measured since `near`, or any when throughput fell (a slower engine breaks them no
+        later). Clearing the whole curve dropped the breach that set the objective ceiling
+        after a 4x slowdown and the climb doubled the limit again (the e2e test's 13 <-> 26).
+        Marks age out after `objective_memory` as before."""
+        for key, p in list(self._curve.items()):
+            if not (p.over_objective and (slower or p.at > near.at)):
+                del self._curve[key]
 
     def _forget(self, now: float) -> None:
         for key in [k for k, p in self._curve.items() if now - p.at > self.cfg.memory]:

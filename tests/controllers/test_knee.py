@@ -175,6 +175,21 @@ def test_a_changed_engine_resets_the_curve() -> None:
     assert [p["throughput"] for p in ctl.state()["curve"]] == [200.0]
 
 
+def test_a_change_keeps_the_breach_measured_after_it() -> None:
+    # the e2e test's 13 <-> 26: a slowdown breaks the objective at 24, then a window at 16
+    # contradicts the 16 measured before it; clearing the whole curve lost the ceiling
+    ctl = make(initial=8, max_limit=64, tpot_objective=1.0)
+    t = 0.0
+    for c, tput in ((8, 200.0), (12, 300.0), (16, 400.0)):
+        t = window(ctl, t, c, tput)
+    t = window(ctl, t, 24, 150.0, ttft=4.0, out=20)  # slower now: a breach at 24
+    assert (ctl.ceiling(), ctl.limit) == (16, 15)
+    for _ in range(3):  # the first is the move's; 16 now reads a quarter of its 400
+        t = window(ctl, t, 16, 100.0, out=10)
+    assert [p["throughput"] for p in ctl.state()["curve"]] == [100.0, 150.0]
+    assert (ctl.ceiling(), ctl.limit) == (16, 16)  # was inf and 30: the climb doubled
+
+
 def test_engine_curve_is_shared_by_gateways() -> None:
     # this gateway holds 4 of the engine's 16; the engine's tokens/s come from its counter
     ctl = make(initial=4)
