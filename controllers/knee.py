@@ -10,7 +10,9 @@ tokens/s): instant, and shared by every gateway in front of it; otherwise it is 
 gateway's own, throughput by Little's law. Points are kept per level (bins `bin_ratio` wide,
 averaged with weight `smoothing`, forgotten after `memory` s). A window right after a move
 of the limit measures the move (a burst of prefills), and a window in which the engine
-queued measures the plateau at no level: neither becomes a point.
+queued measures the plateau at no level: neither becomes a point. One exception: after a
+rise, a saturated window whose engine in-flight (its counters) held 0.8 x the gateway's
+peak and whose throughput kept pace is one (see linear, below).
 
 The knee is the lowest of:
 - room: what the engine holds — its running count when its queue never emptied in the window
@@ -60,9 +62,20 @@ Regions:
   doubling while throughput rises in proportion), never past `headroom x knee`; while the
   engine's room is more than two climb steps away, never more than one climb step past the
   highest level measured (the initial limit before any), so every level of the climb is
-  measured before the next and a plateau is seen before it is overshot.
+  measured before the next and a plateau is seen before it is overshot. With the engine's
+  counters the window after a rise measures it at once when the engine filled the new level
+  (its mean in-flight >= 0.8 x the gateway's peak) and throughput grew from the highest
+  level measured with elasticity >= 1/2; one that reads flat may be the rise's burst of
+  prefills, and the next window decides. `kneegate demo` (clients 1..96, +8 per 4 s) held
+  12 at 15-25 s; now 20 from 20 s. Tried and dropped: any window the engine filled (cpu-tiny
+  10x seed 7 1.002 -> 0.911: the burst read a false plateau at 27, the limit held 20-26
+  where the oracle holds 34), and the gateway's in-flight for "filled" (a rise 16 -> 32
+  reached the engine as a ramp: capacity-drop seed 7 0.846, TTFT p99 4.7 s).
 - plateau: holds `headroom x knee`; when the curve's knee binds (not the room), every
-  `probe_every` windows one window probes at `knee x (1 + probe_step)`.
+  `probe_every` windows one window probes at `knee x (1 + probe_step)`, if that is within
+  one climb step of the highest level measured (a fitted knee beyond is an extrapolation:
+  the demo's ramp fitted 143 over levels 6..22 and a probe took the limit to 157, where it
+  held for 15 s with 80 requests in the engine, against a knee of ~22-28).
 - decline: a TTFT/TPOT breach or a drop cuts to `backoff x` in-flight and marks the level
   over the objectives; a full engine (queue, preemptions) caps at `headroom x` its running.
 
@@ -297,6 +310,7 @@ class Knee(LimitController):
         # the engine's capacity in sequences: running / KV use, or running when queued
         self._room = math.inf
         self._moved = True  # the last window moved the limit by more than a bin (start: from 0)
+        self._moved_up = False  # and raised it
         self._share_est: float | None = None
         self._probing = False  # this window's target is a probe above the knee
         self._now = -math.inf  # the last tick's time
@@ -427,7 +441,7 @@ class Knee(LimitController):
         if self.knee_estimate is not None:
             self.knee_estimate /= r
         self._curve.clear()
-        self._moved = True
+        self._moved, self._moved_up = True, False
         # a second cut while requests from before the first still drain corrects its size:
         # those admitted between the two already have the new size; the old ones are older
         if self._now - self._rescaled_at > self.cfg.max_window:
@@ -554,7 +568,7 @@ class Knee(LimitController):
         # the window after a move measures the move (a burst of prefills), not the level
         # a full engine's level counts its queue: its throughput is the plateau's, at no level
         measured = w.samples or w.engine_throughput is not None
-        if measured and (bad or not self._moved) and not self._queued(w):
+        if measured and (bad or not self._moved or self._climbed(w, level)) and not self._queued(w):
             self._learn(w, level, bad)
         self._measure_room(w)
         before = self._limit
@@ -574,8 +588,25 @@ class Knee(LimitController):
             # app-limited or queued: hold — there is no evidence the engine takes more
             self._set_limit(max(1.0, min(self._limit, target)))
         self._moved = abs(self._limit - before) > self.cfg.bin_ratio * before
+        self._moved_up = self._moved and self._limit > before
         if self._limit < before:
             self._last_cut = w.end  # later samples admitted before this measure a level left
+
+    def _climbed(self, w: Summary, level: float) -> bool:
+        """The window after a rise measures the new level when the engine's counters show it
+        kept pace: in-flight filled the level at once and throughput grew from the highest
+        level measured with elasticity of at least 1/2. A window after a rise that reads
+        flat may be the rise's burst of prefills (in the simulator, cpu-tiny at 10x read a
+        false plateau at 27 that held the limit at 20-26 where the oracle's is 34): the next
+        window decides, as for any move."""
+        tput = w.engine_throughput
+        top = max(self._curve.values(), key=lambda p: p.concurrency, default=None)
+        if not (self._moved_up and self._engine_mode and tput and top is not None):
+            return False
+        full = (w.engine_inflight or 0.0) >= 0.8 * w.max_inflight
+        if not full or w.saturated < self.cfg.saturation or level < self.cfg.pair * top.concurrency:
+            return False
+        return math.log(tput / top.throughput) >= 0.5 * math.log(level / top.concurrency)
 
     def _share(self, w: Summary, level: float) -> float:
         """This gateway's part of the engine's in-flight (1 on a gateway curve), smoothed;
@@ -595,8 +626,11 @@ class Knee(LimitController):
             return grow  # the engine's room is within two steps: it stops the climb
         # else at most one step past the highest level measured (the initial limit before
         # any): doublings never measured overshoot a flat plateau
-        top = max((p.concurrency for p in self._curve.values()), default=self.cfg.initial)
-        return max(self._limit, min(grow, step * top))
+        return max(self._limit, min(grow, step * self._top()))
+
+    def _top(self) -> float:
+        """The highest level measured (the initial limit before any)."""
+        return max((p.concurrency for p in self._curve.values()), default=self.cfg.initial)
 
     def _queued(self, w: Summary) -> bool:
         """The engine is full: its queue never emptied in the window, or it preempted.
@@ -696,10 +730,14 @@ class Knee(LimitController):
             return self.ceiling()
         self.knee_estimate = knee
         self._since_probe += 1
-        if self._since_probe >= self.cfg.probe_every and self._room > knee:
+        # a probe obeys the climb's bound, one climb step past the highest level measured:
+        # the demo's ramp fitted a knee of 143 over levels 6..22 and a probe went to 157
+        probe = knee * (1 + self.cfg.probe_step)
+        near = probe <= (1 + self.cfg.climb) * self._top()
+        if self._since_probe >= self.cfg.probe_every and self._room > knee and near:
             self._since_probe = 0  # one cheap window above a throughput knee: it may have moved
             self._probing = True
-            return min(knee * (1 + self.cfg.probe_step), self.ceiling())
+            return min(probe, self.ceiling())
         return min(self.cfg.headroom * knee, self.ceiling())
 
     def _knee_now(self) -> float | None:

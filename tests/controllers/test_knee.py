@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 from ctl_helpers import scrape, window
@@ -188,6 +189,43 @@ def test_a_change_keeps_the_breach_measured_after_it() -> None:
         t = window(ctl, t, 16, 100.0, out=10)
     assert [p["throughput"] for p in ctl.state()["curve"]] == [100.0, 150.0]
     assert (ctl.ceiling(), ctl.limit) == (16, 16)  # was inf and 30: the climb doubled
+
+
+def test_a_probe_stays_within_a_climb_step_of_the_levels_measured() -> None:
+    # tput = 50 c / (1 + c / 100): measured up to 64, the fit puts the knee at 274
+    ctl = make(initial=8, step_gain=0.05, probe_every=2)
+    t = 0.0
+    for _ in range(7):
+        c = ctl.limit
+        t = window(ctl, t, c, 50 * c / (1 + c / 100), out=20, n=12)
+    assert ctl.limit == 103
+    window(ctl, t, 103, 50 * 103 / (1 + 103 / 100), out=20, n=12)
+    assert ctl.limit == 128  # 2 x 64, the climb's bound; a probe went to 1.1 x 274 = 301
+
+
+def engine_climb(ctl: Knee, windows: int, tput: Callable[[int], float]) -> list[int]:
+    """Windows at the limit, the engine's counters reading `tput(limit)`; the limits after."""
+    t, tokens, limits = 0.0, 0.0, []
+    for _ in range(windows):
+        c = ctl.limit
+        for i in range(6):
+            ctl.on_engine_stats(scrape(t + i, running=c, kv=0.01, tokens=tokens + tput(c) * i))
+        tokens += tput(c) * 5
+        t = window(ctl, t, c, tput(c))
+        limits.append(ctl.limit)
+    return limits
+
+
+def test_a_rise_the_engine_keeps_pace_with_is_measured_at_once() -> None:
+    # the demo's ramp: each window after a rise filled the new level and still paid
+    limits = engine_climb(make(initial=8), 5, lambda c: 25.0 * c)
+    assert limits == [16, 16, 32, 59, 110]  # one level per two windows: 16, 16, 32, 32, 64
+
+
+def test_a_rise_that_reads_flat_waits_a_window() -> None:
+    # flat from 16: the window after the rise to 32 may be its burst of prefills
+    limits = engine_climb(make(initial=8), 6, lambda c: 25.0 * min(c, 16))
+    assert limits == [16, 16, 32, 32, 17, 15]
 
 
 def test_engine_curve_is_shared_by_gateways() -> None:
