@@ -712,9 +712,8 @@ class Knee(LimitController):
 
     def _forget_change(self) -> None:
         """The engine changed since a stored point (`near`) was measured: the throughput
-        curve is stale, but
-        no breach of the objectives is dropped with it; marks age out after
-        `objective_memory`. Clearing the whole curve dropped the breach that set the
+        curve is stale, but no breach of the objectives is dropped with it; marks age out
+        after `objective_memory`. Clearing the whole curve dropped the breach that set the
         objective ceiling after a 4x slowdown and the climb doubled the limit again (the e2e
         test's 13 <-> 26). Keeping only the breaches measured since `near` (or all when
         throughput fell) was not enough: in the 1 s windows of that test a window read +35%
