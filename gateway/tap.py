@@ -19,8 +19,15 @@ from gateway.types import Clock
 
 __all__ = ["Tap"]
 
-_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+
+def _count(key: bytes) -> tuple[bytes, re.Pattern[bytes]]:
+    """A usage field's JSON key and the pattern of `"key": N` (matched where the key is)."""
+    quoted = b'"%s"' % key
+    return quoted, re.compile(re.escape(quoted) + rb"\s*:\s*(\d+)")
+
+
+_COMPLETION = _count(b"completion_tokens")
+_PROMPT = _count(b"prompt_tokens")
 _TAIL = 16384
 
 
@@ -52,8 +59,8 @@ class Tap:
     def usage(self) -> tuple[int, int]:
         """(prompt_tokens, output_tokens); 0 prompt tokens when the body did not say."""
         tail = self._tail()
-        done = _last_count(tail, b'"completion_tokens"', _COMPLETION)
-        prompt = _last_count(tail, b'"prompt_tokens"', _PROMPT)
+        done = _last_count(tail, _COMPLETION)
+        prompt = _last_count(tail, _PROMPT)
         prompt_tokens = prompt or 0
         if done is not None:
             return prompt_tokens, done
@@ -65,12 +72,13 @@ class Tap:
         return prompt_tokens, max(0, events)
 
 
-def _last_count(tail: bytes, key: bytes, pattern: re.Pattern[bytes]) -> int | None:
+def _last_count(tail: bytes, field: tuple[bytes, re.Pattern[bytes]]) -> int | None:
     """The last `"key": N` in `tail` (a final usage chunk follows any per-chunk usage).
 
     `rfind` first: most bodies carry no usage at all, and a search for a literal skips
     through them several times faster than the regex scans them.
     """
+    key, pattern = field
     i = tail.rfind(key)
     if i < 0:
         return None
