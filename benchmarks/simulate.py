@@ -318,6 +318,7 @@ class _Sim:
             s.kv_cache_usage,
             s.num_preemptions_total,
             s.generation_tokens_total,
+            self.profile.num_blocks * self.profile.engine.block_size,
         )
         self.scrapes.append((now + self.SCRAPE_LAG, st))
 
@@ -326,7 +327,7 @@ class _Sim:
         gw = n % self.sc.gateways
         r = _Req(f"r{n}", cls, gw, t, prompt, out)
         self.all.append(r)
-        ticket = Ticket(cls, t, payload=r)
+        ticket = Ticket(cls, t, payload=r, tokens=prompt)
         # as the gateway does when a request joins its queue: the true size (see _dispatch)
         self.ups[gw].controller.on_arrival(prompt)
         verdict = self.queues[gw].offer(ticket, t)
@@ -382,7 +383,7 @@ class _Sim:
                     Outcome.OK,
                 )
             )
-            admitted = q.release(up, now)
+            admitted = q.release(up, now, r.prompt)
             if now < self.sc.duration:  # draining: what was queued stays undispatched
                 for ticket in admitted:
                     self._dispatch(ticket, now)

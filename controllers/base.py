@@ -79,6 +79,7 @@ class EngineStats:
     kv_cache_usage: float  # 0..1
     preemptions_total: float  # monotonic counter
     generation_tokens_total: float = math.nan  # monotonic counter, NaN when unknown
+    kv_capacity_tokens: float = math.nan  # the KV cache's size in tokens, NaN when unknown
 
 
 def is_distress(prev: EngineStats | None, cur: EngineStats) -> bool:
@@ -116,6 +117,13 @@ class Controller(Protocol):
         """A request that this upstream may serve joined the gateway's queue (or was admitted
         at once), with about this many prompt tokens: the same estimate as `on_admit`, seconds
         earlier under overload, when the queue ahead still holds older requests."""
+        ...
+
+    def fits(self, inflight: int, inflight_tokens: int, tokens: int) -> bool:
+        """May one more request of about `tokens` prompt tokens join the `inflight` requests
+        (whose estimates sum to `inflight_tokens`) on this upstream? A token budget beside
+        `limit`, for a controller that knows what the engine's memory holds; the same
+        estimates as `on_admit`. Asked only while in-flight is under `limit` and not zero."""
         ...
 
     def state(self) -> dict[str, Any]: ...
@@ -176,6 +184,10 @@ class LimitController:
 
     def on_arrival(self, prompt_tokens: int) -> None:
         """An arrival's prompt size estimate; ignored unless a subclass uses it."""
+
+    def fits(self, inflight: int, inflight_tokens: int, tokens: int) -> bool:
+        """No token budget unless a subclass keeps one: `limit` alone decides."""
+        return True
 
     def state(self) -> dict[str, Any]:
         return {"name": self.name, "limit": self.limit, "knee_estimate": self.knee_estimate}

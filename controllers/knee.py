@@ -139,6 +139,16 @@ fill L4's cache, 12 start a preemption storm that halves goodput, 10 lose ~9%):
   only once both hold the same sizes (after a rescale, `admit_learned` finishes).
 - the learned prompt size is a plain mean until `admit_learned` admissions (an EWMA from the
   first prompt held a third of it after 20 and read the capacity 10-18% low for minutes).
+- a token budget (`fits`, asked by the admission queue for the request at its head): when
+  the engine reports its KV cache's size (vLLM's `cache_config_info`: num_gpu_blocks x
+  block_size), one more request is admitted only while the in-flight prompts (the gateway's
+  estimates, put into tokens) plus the answer each holds on average, E[o^2] / 2 E[o], stay
+  within `kv_budget` (0.95) of it. Each request weighs its own size, so the count limit's
+  reserve against large ones goes (`kv_reserve` applies only without a budget): the head
+  waits while the requests in flight are large, and more run while they are small. The
+  learned capacity is no substitute: it reads 10-25% low for a minute or more after a start
+  or a rescale (the first answers to finish are short ones, a burst's requests are all
+  mid-answer), and a budget on it cost bursts-lowrate up to 0.26 of the oracle.
 Measured in `benchmarks.simulate`: after a halving of the engine's speed goodput stays
 within 10% of the switching oracle from the change on (seeds 7/1; 41 s at seed 2, where
 the KV-edge limit holds 34-37 and the oracle's 40 accepts a few cheap preemptions). After
@@ -247,6 +257,9 @@ class KneeConfig(BaseControllerConfig):
     kv_reserve: float = Field(
         0.5, ge=0, le=4, description="new requests' peaks kept free below kv_target"
     )
+    kv_budget: float = Field(
+        0.95, ge=0, le=1.0, description="KV-cache share in-flight requests' sizes may fill (0: off)"
+    )
     kv_learn: float = Field(
         0.05, gt=0, le=1, description="weight of one scrape in the KV capacity estimate"
     )
@@ -347,12 +360,13 @@ class Knee(LimitController):
         self._k = 1.0  # engine prompt tokens per admitted estimate, learnt while sizes hold
         self._kv_prev: EngineStats | None = None
         self._kv_use = 0.0  # the last scrape's KV use
+        self._kv_capacity: float | None = None  # the KV cache's size, as the engine reports it
 
     @property
     def limit(self) -> int:
         base = super().limit
         kv = self._kv_limit
-        if kv is None or (self._share_est or 1.0) < 0.9:
+        if kv is None or not self._alone():
             return base
         # the KV edge caps the window's limit, and sets it (above the window's: while small
         # requests sized before a rescale drain, their KV frees for the new sizes) where the
@@ -361,6 +375,29 @@ class Knee(LimitController):
         lift = self._kv_use >= 0.75
         kv = min(kv, self.ceiling()) if lift else min(kv, base)
         return max(self.cfg.min_limit, min(self.cfg.max_limit, math.floor(kv)))
+
+    def fits(self, inflight: int, inflight_tokens: int, tokens: int) -> bool:
+        """The token budget: one more request fits while the in-flight prompts (the gateway's
+        estimates, put into tokens) plus the answer each running request holds on average,
+        E[o^2] / 2 E[o], stay within `kv_budget` of the KV cache the engine reports. Off
+        (everything fits) until the engine reports its size and an answer has finished, and
+        with several gateways (each sees only its own requests)."""
+        budget = self._token_budget()
+        if budget is None or not self._alone() or self._out_done <= 0:
+            return True
+        held = self._out_sq / (2 * self._out_done)
+        need = self._k * (inflight_tokens + tokens) + (inflight + 1) * held
+        return need <= budget
+
+    def _token_budget(self) -> float | None:
+        """`kv_budget` x the engine's KV cache, in tokens; None: no budget."""
+        if self._kv_capacity is None or self.cfg.kv_budget <= 0:
+            return None
+        return self.cfg.kv_budget * self._kv_capacity
+
+    def _alone(self) -> bool:
+        """This gateway holds (nearly) all the engine's in-flight requests."""
+        return (self._share_est or 1.0) >= 0.9
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -492,6 +529,8 @@ class Knee(LimitController):
         capacity is learnt while sizes hold still and nothing is preempted."""
         prev, c = self._kv_prev, self.cfg
         self._kv_prev = st
+        if st.kv_capacity_tokens > 0:  # NaN (not reported) is not
+            self._kv_capacity = st.kv_capacity_tokens
         p, out, kv = self._tokens(self._p_learned), self._out_done, st.kv_cache_usage
         if st.running <= 0 or kv <= 0 or p <= 0 or out <= 0:
             return
@@ -506,7 +545,9 @@ class Knee(LimitController):
         if self._kv_tokens is None:
             return
         new = p + out
-        free = (c.kv_target - kv) * self._kv_tokens - out - c.kv_reserve * new
+        # the token budget weighs each request's own size: no reserve against large ones
+        reserve = 0.0 if self._token_budget() is not None else c.kv_reserve
+        free = (c.kv_target - kv) * self._kv_tokens - out - reserve * new
         self._kv_scrape = (st.at, st.running, free, new)
         self._kv_use = kv
         self._update_kv_limit()
@@ -860,4 +901,6 @@ class Knee(LimitController):
             **super().state(),
             "curve": [p.as_dict() for p in pts],
             "curve_of": "engine" if self._engine_mode else "gateway",
+            "kv_capacity_tokens": self._kv_capacity,
+            "token_budget": self._token_budget(),
         }

@@ -5,13 +5,18 @@ async layer in `gateway.gate`) and `benchmarks.simulate` (virtual time) run this
 very code.
 
     offer(ticket, now)  -> Admitted(upstream) | Queued | Rejected(reason, retry_after)
-    release(up, now)    -> tickets newly dispatched because a slot freed
+    release(up, now, t) -> tickets newly dispatched because a slot (and t tokens) freed
     pump(now)           -> tickets dispatched because a limit grew
     expire(now)         -> tickets whose class wait timeout passed (503 queue_timeout)
     withdraw(ticket)    -> remove one queued ticket (its waiter timed out first)
 
 Dispatch order: higher `priority` classes first, FIFO within a class. A request
 goes to the usable upstream with the most free room, measured as in-flight / limit.
+An upstream has room for a ticket while its in-flight count is under its controller's
+`limit` and the controller `fits` the ticket's prompt-size estimate beside the sizes
+already in flight there (a token budget; most controllers count requests only). A head
+that does not fit waits, and what is queued behind it waits too: FIFO, so a large
+request is never starved by smaller ones that slip past it.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class UpstreamState:
     controller: Controller
     inflight: int = 0
     usable: bool = True
+    inflight_tokens: int = 0  # the in-flight requests' prompt-size estimates, summed
 
     @property
     def fullness(self) -> float:
@@ -69,6 +75,15 @@ class UpstreamState:
     def has_room(self) -> bool:
         return self.usable and self.inflight < self.controller.limit
 
+    def has_room_for(self, tokens: int) -> bool:
+        """Room for one more request of `tokens` (estimated prompt tokens). An idle upstream
+        always has room for one, whatever its budget says: nothing else would ever run."""
+        if not self.has_room:
+            return False
+        return self.inflight == 0 or self.controller.fits(
+            self.inflight, self.inflight_tokens, tokens
+        )
+
 
 @dataclass(slots=True, eq=False)
 class Ticket:
@@ -77,6 +92,7 @@ class Ticket:
     cls: str
     arrived_at: float
     payload: Any = None
+    tokens: int = 0  # the prompt's size estimate, for controllers with a token budget
     deadline: float = math.inf
     upstream: UpstreamState | None = None  # set at dispatch
     dispatched_at: float | None = None
@@ -193,7 +209,7 @@ class AdmissionQueue:
             )
         ahead = self._ahead_of(cls)
         if ahead == 0:
-            up = self._pick()
+            up = self._pick(ticket.tokens)
             if up is not None:
                 self._dispatch(ticket, up, now)
                 return Admitted(up)
@@ -209,10 +225,13 @@ class AdmissionQueue:
         self._queues[cls].append(ticket)
         return Queued(ahead)
 
-    def release(self, upstream: UpstreamState, now: float) -> list[Ticket]:
-        """A request on `upstream` ended: free its slot and dispatch what now fits."""
+    def release(self, upstream: UpstreamState, now: float, tokens: int = 0) -> list[Ticket]:
+        """A request on `upstream` ended: free its slot (and its ticket's `tokens`) and
+        dispatch what now fits."""
         upstream.inflight -= 1
+        upstream.inflight_tokens -= tokens
         assert upstream.inflight >= 0, "released more slots than were taken"
+        assert upstream.inflight_tokens >= 0, "released more tokens than were taken"
         self._completions.note(now)
         return self.pump(now)
 
@@ -222,7 +241,7 @@ class AdmissionQueue:
         for name in self._order:
             q = self._queues[name]
             while q:
-                up = self._pick()
+                up = self._pick(q[0].tokens)
                 if up is None:
                     return out
                 t = q.popleft()
@@ -272,15 +291,16 @@ class AdmissionQueue:
                     ahead += len(q)
         return ahead
 
-    def _pick(self) -> UpstreamState | None:
+    def _pick(self, tokens: int) -> UpstreamState | None:
         best: UpstreamState | None = None
         for u in self.upstreams:
-            if u.has_room and (best is None or u.fullness < best.fullness):
+            if u.has_room_for(tokens) and (best is None or u.fullness < best.fullness):
                 best = u
         return best
 
     def _dispatch(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
         up.inflight += 1
+        up.inflight_tokens += ticket.tokens
         ticket.upstream = up
         ticket.dispatched_at = now
         ticket.inflight_at_admit = up.inflight

@@ -1,6 +1,6 @@
 """The thin async layer over the pure `AdmissionQueue`: futures, permits and the tick.
 
-    permit = await gate.acquire("batch")      # raises a Rejection (429 / 503)
+    permit = await gate.acquire("batch", 700) # raises a Rejection (429 / 503)
     try:
         ...relay...
     finally:
@@ -80,10 +80,11 @@ class Gate:
     ) -> None:
         self.queue, self.metrics, self.clock = queue, metrics, clock
 
-    async def acquire(self, cls: str) -> Permit:
-        """A permit now, a permit after waiting in the queue, or a Rejection raised."""
+    async def acquire(self, cls: str, tokens: int = 0) -> Permit:
+        """A permit now, a permit after waiting in the queue, or a Rejection raised.
+        `tokens`: the prompt's size estimate, for controllers with a token budget."""
         now = self.clock()
-        ticket = Ticket(cls, now)
+        ticket = Ticket(cls, now, tokens=tokens)
         m = self.metrics
         m.child(m.received, cls).inc()
         decision = self.queue.offer(ticket, now)
@@ -143,7 +144,7 @@ class Gate:
             up.controller.on_sample(sample)
             ttft, tpot, tokens = sample.ttft, sample.tpot, sample.output_tokens
         self.metrics.count_finished(up.name, outcome, ttft, tpot, tokens)
-        self._wake(self.queue.release(up, self.clock()))
+        self._wake(self.queue.release(up, self.clock(), permit.ticket.tokens))
 
     def tick(self, upstreams: list[Upstream]) -> None:
         """Advance controllers, dispatch what fits, time out what waited too long."""

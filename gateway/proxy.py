@@ -230,13 +230,13 @@ class Proxy:
         # constant factor; controllers use ratios of sizes only). Every upstream that may
         # serve the request hears of it as it arrives, queued or shed included (under
         # overload the queue delays admissions by seconds); the one it is dispatched to,
-        # again at admission.
+        # again at admission. Admission weighs it against a controller's token budget.
         size = len(body) // 4
         for up in self.pool.active:
             if up.usable:
                 up.controller.on_arrival(size)
         try:
-            permit = await self.gate.acquire(cls)
+            permit = await self.gate.acquire(cls, size)
         except Rejection as exc:
             await send_error(send, exc, [(b"x-request-id", rid)])
             return

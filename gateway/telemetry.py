@@ -8,6 +8,8 @@ any other labels (one vLLM process may serve several engine cores):
     kv usage      vllm:kv_cache_usage_perc      <- vllm:gpu_cache_usage_perc (before V1)
     preemptions   vllm:num_preemptions_total    <- vllm:num_preemptions
     generated     vllm:generation_tokens_total
+    KV capacity   vllm:cache_config_info{num_gpu_blocks, block_size}: blocks x block size, in
+                  tokens (an info gauge whose labels carry the engine's CacheConfig)
 
 `gateway.upstreams` scrapes each upstream that asks for it every `scrape_interval` (1 s by
 default: the `knee` controller was tuned in the simulator on 1 s scrapes arriving 1.5 s late)
@@ -44,12 +46,17 @@ _NAMES: dict[str, tuple[str, ...]] = {
 # here too. A family with no samples reads as 0 for the gauges (no engine core has work) and
 # as unknown for the rest: a counter that reads 0 forever would look like a stalled engine.
 _ZERO_WHEN_EMPTY = ("running", "waiting")
+_CACHE_CONFIG = "vllm:cache_config_info"  # vLLM's TYPE line says gauge: the name stays whole
 
 
 def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
     """EngineStats from an exposition text; None when the text has no vLLM scheduler gauges."""
     sums: dict[str, float] = {}
+    capacity = math.nan
     for family in text_string_to_metric_families(text):
+        if family.name == _CACHE_CONFIG:
+            capacity = _kv_capacity(family.samples)
+            continue
         name = family.name.removesuffix("_total")
         for field_name, names in _NAMES.items():
             if name in names and field_name not in sums:
@@ -67,7 +74,20 @@ def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
         kv_cache_usage=sums.get("kv_cache_usage", math.nan),
         preemptions_total=sums.get("preemptions_total", math.nan),
         generation_tokens_total=sums.get("generation_tokens_total", math.nan),
+        kv_capacity_tokens=capacity,
     )
+
+
+def _kv_capacity(samples: list[Sample]) -> float:
+    """Tokens the KV caches hold, summed over engine cores; NaN when a core's size is not
+    known (vLLM labels num_gpu_blocks "None" until the cache is allocated)."""
+    total = 0.0
+    for s in samples:
+        try:
+            total += int(s.labels["num_gpu_blocks"]) * int(s.labels["block_size"])
+        except (KeyError, ValueError):
+            return math.nan
+    return total if samples else math.nan
 
 
 def _values(samples: list[Sample], family: str) -> list[float]:

@@ -89,6 +89,7 @@ class Upstream(UpstreamState):
             "healthy": self.healthy,
             "limit": self.limit,
             "in_flight": self.inflight,
+            "in_flight_tokens": self.inflight_tokens,  # prompt-size estimates, summed
             "controller": self.controller.state(),
             "engine": _engine_status(self.telemetry(now)),
         }

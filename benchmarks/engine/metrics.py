@@ -2,14 +2,15 @@
 
 Gauges and token counters are read from the core at scrape time (a Collector); request
 outcomes and latency histograms are observed by the real-time driver as tokens go out.
-Buckets are vLLM's (vllm/v1/metrics/loggers.py).
+Buckets are vLLM's (vllm/v1/metrics/loggers.py). `vllm:cache_config_info` carries the KV
+cache's size in its labels (num_gpu_blocks, block_size), as vLLM's does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from benchmarks.engine.core import CoreStats
@@ -134,10 +135,23 @@ class EngineMetrics:
     """Every vllm:* series the emulator exports, bound to `registry`."""
 
     def __init__(
-        self, registry: CollectorRegistry, stats: Callable[[], CoreStats], model_name: str
+        self,
+        registry: CollectorRegistry,
+        stats: Callable[[], CoreStats],
+        model_name: str,
+        cache: dict[str, str] | None = None,
     ) -> None:
         labels = {"model_name": model_name, "engine": "0"}
         registry.register(_CoreCollector(stats, labels))
+        if cache is not None:
+            # vLLM's info gauge: the CacheConfig's fields as labels, value 1
+            info = Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                ["engine", *cache],
+                registry=registry,
+            )
+            info.labels(engine="0", **cache).set(1)
         names = list(labels)
         success = Counter(
             "vllm:request_success",

@@ -69,7 +69,11 @@ class EmulatorState:
         self.relay, self.relay_interval = relay, relay_interval
         self.core = EngineCore(profile, seed=seed)
         self.registry = CollectorRegistry()
-        self.metrics = EngineMetrics(self.registry, self.core.stats, model_name)
+        cache = {
+            "block_size": str(profile.engine.block_size),
+            "num_gpu_blocks": str(profile.num_blocks),
+        }
+        self.metrics = EngineMetrics(self.registry, self.core.stats, model_name, cache)
         self.driver = RealTimeDriver(self.core, self.metrics, speed=speed)
         self.created = int(time.time())
 

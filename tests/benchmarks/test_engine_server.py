@@ -9,6 +9,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.telemetry import parse_engine_metrics
+
 
 def metric(url: str, name: str, **labels: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
@@ -137,6 +139,15 @@ def test_metrics_parse_and_count(emulator) -> None:
         "vllm:request_queue_time_seconds_count",
     ):
         metric(url, name)
+
+
+def test_metrics_tell_the_kv_cache_size_as_vllm_does(emulator) -> None:
+    url, app = emulator
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    stats = parse_engine_metrics(text, at=0.0)  # the gateway's reader
+    profile = app.state.emulator.profile
+    assert stats is not None
+    assert stats.kv_capacity_tokens == profile.num_blocks * profile.engine.block_size
 
 
 def test_disconnect_mid_stream_aborts_within_one_second(emulator) -> None:

@@ -72,6 +72,7 @@ def scrape(
     preemptions: float = 0,
     tokens: float = float("nan"),
     kv: float = 0.5,
+    capacity: float = float("nan"),
 ) -> EngineStats:
     return EngineStats(
         at=at,
@@ -80,4 +81,5 @@ def scrape(
         kv_cache_usage=kv,
         preemptions_total=preemptions,
         generation_tokens_total=tokens,
+        kv_capacity_tokens=capacity,
     )

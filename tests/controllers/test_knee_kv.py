@@ -93,3 +93,27 @@ def test_the_kv_edge_lifts_the_limit_only_where_the_cache_is_nearly_full() -> No
     # at 76% the cache is the edge: its free KV sets the limit, past the window's
     ctl.on_engine_stats(scrape(t + 3, running=15, kv=0.76))
     assert ctl.limit == 17
+
+
+def test_the_token_budget_weighs_each_request_by_its_own_prompt() -> None:
+    ctl = kv_ready()
+    assert ctl.fits(10, 10_000, 10_000)  # the engine has not said how large its cache is
+    assert ctl.state()["token_budget"] is None
+    ctl.on_engine_stats(scrape(2.0, running=10, kv=0.5, capacity=3000))
+    assert ctl.state()["token_budget"] == 2850
+    # 0.95 x 3000 = 2850 tokens: prompts as estimated (100 estimated per 100 finished) plus
+    # the 50 tokens of answer each running request holds (E[o^2] / 2 E[o], all answers 100)
+    assert ctl.fits(10, 1000, 100)  # 1100 + 11 x 50 = 1650
+    assert ctl.fits(10, 2000, 300)  # 2300 + 550 = 2850: at the budget
+    assert not ctl.fits(10, 2000, 301)
+    assert not ctl.fits(10, 1200, 1200)  # one large prompt where ten small ones run
+    assert ctl.fits(3, 1200, 1200)  # the same beside three
+
+
+def test_with_a_token_budget_the_kv_edge_keeps_no_reserve_for_large_requests() -> None:
+    # at 85% of the cache: (0.98 - 0.85) x 3000 - 100 (an answer's growth) = 290 tokens
+    # free, one new request's peak (200) fits; a reserve of half a peak (100) leaves none
+    blind, budgeted = kv_ready(), kv_ready()
+    blind.on_engine_stats(scrape(2.0, running=10, kv=0.85))
+    budgeted.on_engine_stats(scrape(2.0, running=10, kv=0.85, capacity=3000))
+    assert (blind.limit, budgeted.limit) == (10, 11)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from controllers.fixed import Fixed, FixedConfig
 from controllers.registry import build_controller
 from gateway.admission import (
     AdmissionQueue,
@@ -79,3 +80,44 @@ def test_reconfigure_keeps_queued_tickets_of_a_removed_class() -> None:
     assert q.offer(newer, 1.0) == Queued(0)  # the removed class ranks below every class
     assert q.release(ups[0], 2.0) == [newer]
     assert q.release(ups[0], 3.0) == [old]
+
+
+class Budgeted(Fixed):
+    """A fixed limit beside a token budget: in-flight estimates may sum to `budget`."""
+
+    def __init__(self, limit: int, budget: int) -> None:
+        super().__init__(FixedConfig(initial=limit))
+        self.budget = budget
+
+    def fits(self, inflight: int, inflight_tokens: int, tokens: int) -> bool:
+        return inflight_tokens + tokens <= self.budget
+
+
+def test_a_head_over_the_token_budget_waits_and_so_does_everything_behind_it() -> None:
+    up = UpstreamState("u", Budgeted(limit=10, budget=1000))
+    q = AdmissionQueue([up], CLASSES, max_queue=8)
+    first = Ticket("lo", 0.0, tokens=600)
+    assert q.offer(first, 0.0) == Admitted(up)
+    big, small = Ticket("lo", 1.0, tokens=500), Ticket("lo", 2.0, tokens=100)
+    assert q.offer(big, 1.0) == Queued(0)  # 600 + 500 > 1000, though the count has room
+    assert q.offer(small, 2.0) == Queued(1)  # it would fit, but FIFO: it waits behind
+    assert q.pump(3.0) == []
+    assert q.release(up, 4.0, 600) == [big, small]  # 500 + 100 fit
+    assert (up.inflight, up.inflight_tokens) == (2, 600)
+
+
+def test_an_idle_upstream_takes_a_request_larger_than_its_whole_budget() -> None:
+    up = UpstreamState("u", Budgeted(limit=10, budget=100))
+    q = AdmissionQueue([up], CLASSES, max_queue=8)
+    assert q.offer(Ticket("lo", 0.0, tokens=5000), 0.0) == Admitted(up)
+    assert q.offer(Ticket("lo", 0.0, tokens=1), 0.0) == Queued(0)
+
+
+def test_a_request_goes_to_the_upstream_whose_budget_it_fits() -> None:
+    full = UpstreamState("full", Budgeted(limit=10, budget=1000))
+    roomy = UpstreamState("roomy", Budgeted(limit=10, budget=10_000))
+    q = AdmissionQueue([full, roomy], CLASSES, max_queue=8)
+    for _ in range(2):  # one each: both at 1/10 of their count
+        q.offer(Ticket("lo", 0.0, tokens=900), 0.0)
+    assert (full.inflight, roomy.inflight) == (1, 1)
+    assert q.offer(Ticket("lo", 0.0, tokens=200), 0.0) == Admitted(roomy)

@@ -69,3 +69,40 @@ async def test_every_usable_upstream_hears_each_arrival_shed_ones_included() -> 
     for name in ("e0", "e1"):
         assert sorted(arrivals[name]) == sorted([size, size, len(SMALL) // 4]), name
     assert admits == [size, size]  # the shed request was never admitted
+
+
+async def test_a_request_over_the_token_budget_waits_for_room() -> None:
+    engine = FakeEngine(interval=0.1)  # an event per token: the first large one holds ~2 s
+    async with serve(engine) as up:
+        app = build_app(gw_config(up, limit=4))
+        state = app.gateway.pool.active[0]
+        large = json.dumps({"prompt": "z" * 4000, "max_tokens": 20, "stream": True}).encode()
+        later = json.dumps({"prompt": "z" * 4000, "max_tokens": 2, "stream": True}).encode()
+        budget = len(large) // 4 + len(SMALL) // 4  # one large and one small at a time
+        asked: list[tuple[int, int, int]] = []
+
+        def fits(inflight: int, inflight_tokens: int, tokens: int) -> bool:
+            asked.append((inflight, inflight_tokens, tokens))
+            return inflight_tokens + tokens <= budget
+
+        state.controller.fits = fits  # type: ignore[method-assign]
+        async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
+            def post(body: bytes) -> asyncio.Task[httpx.Response]:
+                return asyncio.create_task(
+                    client.post(gw + "/v1/completions", content=body, headers=JSON))
+
+            first = post(large)
+            with anyio.fail_after(5):
+                await engine.started.wait()
+            engine.started.clear()
+            small = await post(SMALL)  # fits beside the large one: served at once
+            assert small.status_code == 200
+            second = post(later)
+            with anyio.fail_after(5):  # the count has room (1 of 4) but the budget not
+                while app.gateway.queue.depth() == 0:
+                    await anyio.sleep(0.01)
+            assert engine.running == 1
+            assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+    size = len(large) // 4
+    assert (1, size, len(SMALL) // 4) in asked and (1, size, len(later) // 4) in asked
+    assert (state.inflight, state.inflight_tokens) == (0, 0)  # every release gave its share

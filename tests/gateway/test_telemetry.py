@@ -19,6 +19,9 @@ vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
 vllm:num_preemptions_created{engine="0",model_name="m"} 1.7e9
 # TYPE vllm:generation_tokens_total counter
 vllm:generation_tokens_total{engine="0",model_name="m"} 1234.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",cache_dtype="auto",num_gpu_blocks="1000"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",cache_dtype="auto",num_gpu_blocks="500"} 1.0
 """
 
 OLD = """\
@@ -39,7 +42,8 @@ def stats(at: float, running: float, tokens: float) -> EngineStats:
 def test_current_names_sum_over_engines_and_take_the_fullest_cache() -> None:
     s = parse_engine_metrics(CURRENT, at=5.0)
     assert s == EngineStats(at=5.0, running=5.0, waiting=1.0, kv_cache_usage=0.5,
-                            preemptions_total=7.0, generation_tokens_total=1234.0)
+                            preemptions_total=7.0, generation_tokens_total=1234.0,
+                            kv_capacity_tokens=24_000.0)  # (1000 + 500) blocks x 16 tokens
 
 
 def test_older_names_fall_back_and_missing_counters_are_nan() -> None:
@@ -47,6 +51,14 @@ def test_older_names_fall_back_and_missing_counters_are_nan() -> None:
     assert s is not None
     assert (s.running, s.waiting, s.kv_cache_usage) == (4.0, 0.0, 0.75)
     assert math.isnan(s.preemptions_total) and math.isnan(s.generation_tokens_total)
+    assert math.isnan(s.kv_capacity_tokens)
+
+
+def test_a_cache_not_yet_sized_has_no_capacity() -> None:
+    text = OLD + ('# TYPE vllm:cache_config_info gauge\n'
+                  'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n')
+    s = parse_engine_metrics(text, at=1.0)
+    assert s is not None and math.isnan(s.kv_capacity_tokens)
 
 
 def test_text_without_scheduler_gauges_is_not_an_engine() -> None:
