@@ -10,6 +10,7 @@ import anyio
 import httpx
 import pytest
 from gw_helpers import scrape, serve, total
+from prometheus_client.parser import text_string_to_metric_families
 from vllm_server import VllmServer
 
 from gateway.app import build_app
@@ -38,6 +39,12 @@ async def test_parser_reads_vllms_real_metric_names(vllm: VllmServer) -> None:
     assert stats.generation_tokens_total == total(raw, "vllm:generation_tokens_total")
     # the counter is vLLM's own: it moved by at least the 16 tokens we asked for
     assert stats.generation_tokens_total - first.generation_tokens_total >= 16
+    # the KV cache's size, from the labels of vLLM's cache_config_info (the token budget's)
+    info = [s for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "vllm:cache_config_info"]
+    assert info, "vLLM exports no vllm:cache_config_info"
+    blocks, size = int(info[0].labels["num_gpu_blocks"]), int(info[0].labels["block_size"])
+    assert stats.kv_capacity_tokens == blocks * size > 0
 
 
 async def test_gateway_scrapes_vllm_and_shows_a_running_request(vllm: VllmServer) -> None:
