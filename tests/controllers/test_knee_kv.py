@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from ctl_helpers import make_sample, scrape, window
 
 from controllers import Knee, KneeConfig
@@ -117,3 +118,17 @@ def test_with_a_token_budget_the_kv_edge_keeps_no_reserve_for_large_requests() -
     blind.on_engine_stats(scrape(2.0, running=10, kv=0.85))
     budgeted.on_engine_stats(scrape(2.0, running=10, kv=0.85, capacity=3000))
     assert (blind.limit, budgeted.limit) == (10, 11)
+
+
+def test_a_cache_holding_more_than_the_prompts_add_up_to_widens_the_budget() -> None:
+    # prefix caching: the engine reports 1500 tokens of cache, yet 10 running requests of
+    # 100 + 50 tokens fill only half of it (they share their prompts' prefix): the learned
+    # capacity reads 10 x 150 / 0.5 = 3000. The budget counts what exceeds the noise of that
+    # reading, 3000 / 1.25 = 2400 tokens of cache, not the 1500 the sizes would fill
+    ctl = kv_ready()
+    ctl.on_engine_stats(scrape(2.0, running=10, kv=0.5, capacity=1500))
+    assert ctl.state()["token_budget"] == pytest.approx(0.95 * 2400)
+    assert ctl.fits(10, 1000, 100)  # 1650 of 2280 (of 0.95 x 1500 = 1425 it would not)
+    # a learned capacity within its noise of the reported size leaves the reported size
+    ctl.on_engine_stats(scrape(3.0, running=10, kv=0.5, capacity=2500))
+    assert ctl.state()["token_budget"] == pytest.approx(0.95 * 2500)
