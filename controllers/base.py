@@ -110,7 +110,8 @@ class Controller(Protocol):
         """A request was admitted to this upstream with about this many prompt tokens.
 
         An estimate (the gateway's is its body's bytes / 4, JSON included): use ratios of
-        sizes, never the absolute number."""
+        sizes, or put it into tokens by a learned ratio (finished requests' prompt tokens,
+        from the engine's usage, over their estimates), never the raw number alone."""
         ...
 
     def on_arrival(self, prompt_tokens: int) -> None:

@@ -142,8 +142,10 @@ fill L4's cache, 12 start a preemption storm that halves goodput, 10 lose ~9%):
 - a token budget (`fits`, asked by the admission queue for the request at its head): when
   the engine reports its KV cache's size (vLLM's `cache_config_info`: num_gpu_blocks x
   block_size), one more request is admitted only while the in-flight prompts (the gateway's
-  estimates, put into tokens) plus the answer each holds on average, E[o^2] / 2 E[o], stay
-  within `kv_budget` (0.95) of it, or of the learned capacity / 1.25 where that is more
+  estimates, put into tokens: one a token until 20 requests finished with a usage count,
+  and for good when clients never ask for usage in streams; bytes / 4 reads high by the
+  JSON, so the budget then errs low) plus the answer each holds on average, E[o^2] / 2
+  E[o], stay within `kv_budget` (0.95) of it, or of the learned capacity / 1.25 where that is more
   (prefix caching: requests sharing a prefix hold it once; the emulator has no prefix
   cache, so this is tested with literal scrapes only). Each request weighs its own size,
   so the count limit's reserve against large ones goes (`kv_reserve` applies only without

@@ -227,7 +227,8 @@ class Proxy:
         body: bytes, rid: bytes, cls: str, writer: BodyWriter | None,
     ) -> None:
         # A leading signal of the KV footprint: about 4 bytes a token (JSON overhead is a
-        # constant factor; controllers use ratios of sizes only). Every upstream that may
+        # constant factor: controllers use ratios of sizes, or put estimates into tokens by
+        # the ratio of finished prompts' token counts to them). Every upstream that may
         # serve the request hears of it as it arrives, queued or shed included (under
         # overload the queue delays admissions by seconds); the one it is dispatched to,
         # again at admission. Admission weighs it against a controller's token budget.
