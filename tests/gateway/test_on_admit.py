@@ -102,6 +102,8 @@ async def test_a_request_over_the_token_budget_waits_for_room() -> None:
                 while app.gateway.queue.depth() == 0:
                     await anyio.sleep(0.01)
             assert engine.running == 1
+            status = (await client.get(gw + "/kneegate/status")).json()["upstreams"][0]
+            assert (status["in_flight"], status["in_flight_tokens"]) == (1, len(large) // 4)
             assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
     size = len(large) // 4
     assert (1, size, len(SMALL) // 4) in asked and (1, size, len(later) // 4) in asked
