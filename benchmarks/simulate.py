@@ -318,7 +318,7 @@ class _Sim:
             s.kv_cache_usage,
             s.num_preemptions_total,
             s.generation_tokens_total,
-            self.profile.num_blocks * self.profile.engine.block_size,
+            self.profile.usable_kv_tokens,
         )
         self.scrapes.append((now + self.SCRAPE_LAG, st))
 

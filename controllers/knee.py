@@ -401,9 +401,13 @@ class Knee(LimitController):
         budget = self._token_budget()
         if budget is None or not self._alone() or self._out_done <= 0:
             return True
-        held = self._out_sq / (2 * self._out_done)
-        need = self._k * (inflight_tokens + tokens) + (inflight + 1) * held
+        need = self._k * (inflight_tokens + tokens) + (inflight + 1) * self._held_answer()
         return need <= budget
+
+    def _held_answer(self) -> float:
+        """Answer tokens a running request holds on average: E[o^2] / 2 E[o], as long answers
+        stay longer (half the mean is 8% short for answers uniform in 0.5-1.5x the mean)."""
+        return self._out_sq / (2 * self._out_done)
 
     def _token_budget(self) -> float | None:
         """`kv_budget` x the KV cache, in tokens as `fits` counts them; None: no budget. The
@@ -560,10 +564,7 @@ class Knee(LimitController):
         preempted = prev is not None and st.preemptions_total > prev.preemptions_total
         learn = self._settled(st.at) and self._k_ready() and kv >= 0.3 and st.waiting == 0
         if learn and not preempted:
-            # a running request holds its prompt and the part of its answer written so far:
-            # E[o^2] / 2 E[o] on average, as long answers stay longer (half the mean is 8%
-            # short for answers uniform in 0.5-1.5x the mean)
-            cap = st.running * (p + self._out_sq / (2 * out)) / kv
+            cap = st.running * (p + self._held_answer()) / kv
             self._kv_tokens = _blend(self._kv_tokens, cap, c.kv_learn)
         if self._kv_tokens is None:
             return

@@ -71,14 +71,11 @@ class UpstreamState:
     def fullness(self) -> float:
         return self.inflight / max(1, self.controller.limit)
 
-    @property
-    def has_room(self) -> bool:
-        return self.usable and self.inflight < self.controller.limit
-
     def has_room_for(self, tokens: int) -> bool:
-        """Room for one more request of `tokens` (estimated prompt tokens). An idle upstream
-        always has room for one, whatever its budget says: nothing else would ever run."""
-        if not self.has_room:
+        """Room for one more request of `tokens` (estimated prompt tokens): usable, under
+        the limit, and within the controller's token budget. An idle upstream always has
+        room for one, whatever its budget says: nothing else would ever run."""
+        if not self.usable or self.inflight >= self.controller.limit:
             return False
         return self.inflight == 0 or self.controller.fits(
             self.inflight, self.inflight_tokens, tokens

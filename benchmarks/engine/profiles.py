@@ -102,6 +102,11 @@ class Profile:
         return max(1, self.kv_cache_tokens // self.engine.block_size - 1)
 
     @property
+    def usable_kv_tokens(self) -> int:
+        """Tokens the usable blocks hold: the size vLLM reports (num_gpu_blocks x block_size)."""
+        return self.num_blocks * self.engine.block_size
+
+    @property
     def kv_cache_tokens(self) -> int:
         if self.engine.kv_cache_tokens is not None:
             return self.engine.kv_cache_tokens
@@ -119,7 +124,7 @@ class Profile:
     def max_model_len(self) -> int:
         """The engine's context limit: configured or the model's, never above the KV cache."""
         limit = self.engine.max_model_len or self.model.max_model_len
-        return min(limit, self.num_blocks * self.engine.block_size)
+        return min(limit, self.usable_kv_tokens)
 
 
 def list_profiles() -> list[str]:
