@@ -38,6 +38,12 @@ class Outcome(enum.Enum):
     TIMEOUT = "timeout"  # connect / first-byte / idle timeout
     CLIENT_CANCELLED = "client_cancelled"  # the caller went away: never a latency sample
     UPSTREAM_OVERLOADED = "upstream_overloaded"  # engine said 429/503: a drop signal
+    CLIENT_STALLED = "client_stalled"  # the caller stopped reading: never a latency sample
+
+    @property
+    def is_client(self) -> bool:
+        """True when the caller, not the engine, ended the request: never a sample."""
+        return self in (Outcome.CLIENT_CANCELLED, Outcome.CLIENT_STALLED)
 
     @property
     def is_drop(self) -> bool:
@@ -170,7 +176,7 @@ class LimitController:
 
     def on_sample(self, sample: Sample) -> None:
         # A cancellation says nothing about the engine (Netflix's onIgnore).
-        if sample.outcome is Outcome.CLIENT_CANCELLED:
+        if sample.outcome.is_client:
             return
         self._on_sample(sample)
 

@@ -330,6 +330,7 @@ def _blend(old: float | None, new: float | None, w: float) -> float | None:
 
 class Knee(LimitController):
     name = "knee"
+    _GROUNDED_KV = 0.25  # KV use from which running / use is a reading, not a guess
     _SHARED = 1.25  # learned over reported KV capacity beyond noise: a shared prefix
 
     def __init__(self, cfg: KneeConfig | None = None) -> None:
@@ -344,6 +345,9 @@ class Knee(LimitController):
         self._last_cut = -math.inf
         # the engine's capacity in sequences: running / KV use, or running when queued
         self._room = math.inf
+        # the last room reading was measured, not extrapolated: from a queue, or from a KV
+        # cache at least `_GROUNDED_KV` full (1 running in 0.06% of it "reads" room for 1600)
+        self._room_grounded = False
         self._moved = True  # the last window moved the limit by more than a bin (start: from 0)
         self._moved_up = False  # and raised it
         self._share_est: float | None = None
@@ -717,7 +721,9 @@ class Knee(LimitController):
         run, kv = w.engine_running, w.engine_kv
         if run is None or run <= 0:
             return
-        room = run if self._queued(w) else (run / kv if kv and kv > 0 else math.inf)
+        queued = self._queued(w)
+        room = run if queued else (run / kv if kv and kv > 0 else math.inf)
+        self._room_grounded = queued or (kv is not None and kv >= self._GROUNDED_KV)
         if room > self._room and self._old_finish >= w.start:
             return  # the engine still holds requests sized before a rescale: no rise yet
         # fast down (a change is news), slow up (one window may be a lucky mix of lengths)
@@ -803,7 +809,7 @@ class Knee(LimitController):
         knee = self._knee_now()
         if knee is None:
             return self.ceiling()
-        self.knee_estimate = knee
+        self.knee_estimate = knee if self._published(knee) else None
         self._since_probe += 1
         # a probe obeys the climb's bound, one climb step past the highest level measured:
         # the demo's ramp fitted a knee of 143 over levels 6..22 and a probe went to 157
@@ -814,6 +820,12 @@ class Knee(LimitController):
             self._probing = True
             return min(probe, self.ceiling())
         return min(self.cfg.headroom * knee, self.ceiling())
+
+    def _published(self, knee: float) -> bool:
+        """An estimate worth showing: within a climb step of the levels measured, or a room
+        reading that was measured (an idle engine's extrapolated room is no knee)."""
+        return knee <= (1 + self.cfg.climb) * self._top() or (
+            knee >= self._room and self._room_grounded)
 
     def _knee_now(self) -> float | None:
         fit, _ = self.knee()

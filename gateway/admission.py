@@ -6,6 +6,7 @@ very code.
 
     offer(ticket, now)  -> Admitted(upstream) | Queued | Rejected(reason, retry_after)
     release(up, now, t) -> tickets newly dispatched because a slot (and t tokens) freed
+                           (= free(up, t) + note_completion(now) + pump(now))
     pump(now)           -> tickets dispatched because a limit grew
     expire(now)         -> tickets whose class wait timeout passed (503 queue_timeout)
     withdraw(ticket)    -> remove one queued ticket (its waiter timed out first)
@@ -115,15 +116,25 @@ class Rejected:
 
 @dataclass
 class _CompletionRate:
-    """Exponentially weighted completions per second, fed by release()."""
+    """Exponentially weighted completions per second, fed by release().
+
+    The average starts at zero, so for the first half-lives it reads low in proportion to
+    the weight that empty start still has (after 2 s of 10 completions a second it read
+    1.3/s, and Retry-After said 21 s for 30 queued requests): `per_second` divides that
+    weight out, as Adam's bias correction does, once `warm` completions have been seen.
+    """
 
     half_life: float = 10.0
+    warm: int = 4
     rate: float = 0.0
+    first: float | None = None
     last: float | None = None
+    count: int = 0
 
     def note(self, now: float) -> None:
+        self.count += 1
         if self.last is None:
-            self.last = now
+            self.first = self.last = now
             return
         # decay the old rate over dt and add this completion: for dt << half_life each
         # completion adds ln2 / half_life, so a steady stream converges on its true rate
@@ -131,6 +142,14 @@ class _CompletionRate:
         w = 0.5 ** (dt / self.half_life)
         self.rate = w * self.rate + (1 - w) / dt
         self.last = now
+
+    @property
+    def per_second(self) -> float:
+        """The debiased rate; 0.0 until `warm` completions have been seen."""
+        if self.count < self.warm or self.first is None or self.last is None:
+            return 0.0
+        seen = 1 - 0.5 ** ((self.last - self.first) / self.half_life)
+        return self.rate / seen if seen > 0 else 0.0
 
 
 @dataclass
@@ -183,13 +202,18 @@ class AdmissionQueue:
 
     @property
     def completion_rate(self) -> float:
-        return self._completions.rate
+        return self._completions.per_second
 
     def retry_after(self, ahead: int) -> int:
-        """Seconds until `ahead` queued requests have likely been served, clamped."""
-        rate = self._completions.rate
-        # no completions seen yet: assume one per second rather than the worst case
-        est = (ahead + 1) / rate if rate > 0 else float(ahead + 1)
+        """Seconds until `ahead` queued requests have likely been served, clamped.
+
+        From the measured completion rate; until there is one (a cold start), from the
+        usable upstreams' limits, each slot assumed to free once a second.
+        """
+        rate = self._completions.per_second
+        if rate <= 0:
+            rate = float(sum(u.controller.limit for u in self.upstreams if u.usable) or 1)
+        est = (ahead + 1) / rate
         return int(max(self.retry_after_min, min(self.retry_after_max, math.ceil(est))))
 
     # --- the decisions -------------------------------------------------------------
@@ -225,12 +249,20 @@ class AdmissionQueue:
     def release(self, upstream: UpstreamState, now: float, tokens: int = 0) -> list[Ticket]:
         """A request on `upstream` ended: free its slot (and its ticket's `tokens`) and
         dispatch what now fits."""
+        self.free(upstream, tokens)
+        self.note_completion(now)
+        return self.pump(now)
+
+    def free(self, upstream: UpstreamState, tokens: int = 0) -> None:
+        """Give back one slot and its `tokens`; dispatches nothing (`pump` does)."""
         upstream.inflight -= 1
         upstream.inflight_tokens -= tokens
         assert upstream.inflight >= 0, "released more slots than were taken"
         assert upstream.inflight_tokens >= 0, "released more tokens than were taken"
+
+    def note_completion(self, now: float) -> None:
+        """A request finished on an engine: the completion rate's evidence."""
         self._completions.note(now)
-        return self.pump(now)
 
     def pump(self, now: float) -> list[Ticket]:
         """Dispatch queued tickets while some upstream has room."""

@@ -88,7 +88,7 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
 
     def _depths(self) -> list[tuple[str, int]]:
-        return [(name, self.queue.depth(name)) for name in self.config.classes]
+        return [(name, self.gate.depth(name)) for name in self.config.classes]
 
     async def start(self) -> None:
         await self.client.start()
@@ -158,7 +158,7 @@ class Gateway:
         now = self.clock()
         return {
             "upstreams": [u.status(now) for u in self.pool.all()],
-            "queue": {name: self.queue.depth(name) for name in self.config.classes},
+            "queue": {name: self.gate.depth(name) for name in self.config.classes},
             "queue_total": self.queue.depth(),
             "completion_rate": round(self.queue.completion_rate, 3),
         }

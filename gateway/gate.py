@@ -15,7 +15,9 @@ moves in the same synchronous step as the queue state it counts.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Iterable
 
 from controllers.base import Outcome, Sample
 from gateway.admission import (
@@ -32,6 +34,8 @@ from gateway.types import Clock
 from gateway.upstreams import Upstream
 
 __all__ = ["Gate", "Permit"]
+
+log = logging.getLogger("kneegate")
 
 _REJECTIONS: dict[RejectReason, type[Rejection]] = {
     RejectReason.QUEUE_FULL: QueueFull,
@@ -73,12 +77,34 @@ class Permit:
 
 
 class Gate:
-    """Admission for one gateway process."""
+    """Admission for one gateway process.
+
+    A ticket the queue dispatches while its caller waits is *handed over* until the
+    caller's task resumes: it is counted admitted only then, and until then it shows as
+    queued (its class's depth) and not in flight, so the identities hold at every scrape
+    and a caller that leaves in that moment is shed `client_gone`, not admitted and
+    cancelled (the engine never saw it).
+
+    Controllers are called through `_notify`, which logs and counts what they raise: a
+    controller bug costs its own update, never a slot or a request.
+    """
 
     def __init__(
         self, queue: AdmissionQueue, metrics: GatewayMetrics, clock: Clock = time.monotonic
     ) -> None:
         self.queue, self.metrics, self.clock = queue, metrics, clock
+        self.handing: dict[str, int] = {}  # class -> tickets dispatched, caller not resumed
+        self._logged: set[tuple[str, str]] = set()  # (upstream, hook) whose error was logged
+
+    def depth(self, cls: str) -> int:
+        """Requests of `cls` waiting for a slot, as counted: queued or being handed one."""
+        return self.queue.depth(cls) + self.handing.get(cls, 0)
+
+    def arrival(self, upstreams: Iterable[Upstream], tokens: int) -> None:
+        """A request of `tokens` (size estimate) arrived: every usable upstream hears it."""
+        for up in upstreams:
+            if up.usable:
+                self._notify(up, "on_arrival", tokens)
 
     async def acquire(self, cls: str, tokens: int = 0) -> Permit:
         """A permit now, a permit after waiting in the queue, or a Rejection raised.
@@ -89,8 +115,7 @@ class Gate:
         m.child(m.received, cls).inc()
         decision = self.queue.offer(ticket, now)
         if isinstance(decision, Admitted):
-            self._count_admitted(ticket)
-            return self._permit(ticket)
+            return self._admit(ticket)
         if isinstance(decision, Rejected):
             self.metrics.shed.labels(cls, decision.reason.value).inc()
             raise rejection(decision)
@@ -107,50 +132,82 @@ class Gate:
             raise
         if result is not None:
             raise rejection(result)
-        return self._permit(ticket)
+        self._handed(ticket)
+        return self._admit(ticket)
 
     def _abandon(self, ticket: Ticket) -> None:
-        # the caller went away while queued, or just after its slot came
+        # the caller went away while queued, or before it resumed with its slot
         if ticket.dispatched_at is not None:
-            self._permit(ticket).finish(Outcome.CLIENT_CANCELLED)
+            self._handed(ticket)
+            up = self._upstream(ticket)
+            self.queue.free(up, ticket.tokens)
+            self.metrics.shed.labels(ticket.cls, "client_gone").inc()
+            self._wake(self.queue.pump(self.clock()))
         elif self.queue.withdraw(ticket):
             self.metrics.shed.labels(ticket.cls, "client_gone").inc()
 
-    def _permit(self, ticket: Ticket) -> Permit:
+    def _handed(self, ticket: Ticket) -> None:
+        self.handing[ticket.cls] -= 1
+        self._upstream(ticket).handing -= 1
+
+    @staticmethod
+    def _upstream(ticket: Ticket) -> Upstream:
         up = ticket.upstream
         assert isinstance(up, Upstream), "admission dispatched to a foreign upstream"
-        return Permit(self, ticket, up)
+        return up
 
-    def _count_admitted(self, ticket: Ticket) -> None:
-        assert ticket.upstream is not None and ticket.dispatched_at is not None
+    def _admit(self, ticket: Ticket) -> Permit:
+        """Count the admission, tell the controller, hand out the permit."""
+        up = self._upstream(ticket)
+        assert ticket.dispatched_at is not None
         m = self.metrics
-        m.child(m.admitted, ticket.upstream.name, ticket.cls).inc()
+        m.child(m.admitted, up.name, ticket.cls).inc()
         m.child(m.queue_wait, ticket.cls).observe(ticket.dispatched_at - ticket.arrived_at)
+        self._notify(up, "on_admit", ticket.tokens)
+        return Permit(self, ticket, up)
 
     def _wake(self, tickets: list[Ticket]) -> None:
         for t in tickets:
-            self._count_admitted(t)
+            self.handing[t.cls] = self.handing.get(t.cls, 0) + 1
+            self._upstream(t).handing += 1
             fut: asyncio.Future[Rejected | None] = t.payload
             # A done future here was cancelled with its waiter, whose _abandon (still to run)
-            # gives the slot back; doing it here too would release it twice.
+            # gives the slot back.
             if not fut.done():
                 fut.set_result(None)
 
     def _finish(self, permit: Permit, outcome: Outcome, sample: Sample | None) -> None:
+        # Free the slot first, then feed the controller (guarded), then dispatch, so a
+        # controller that raises cannot keep the slot (Netflix decrements before onSample).
         up = permit.upstream
+        now = self.clock()
+        self.queue.free(up, permit.ticket.tokens)
+        self.queue.note_completion(now)  # a slot turned over, whoever ended it
         ttft = tpot = None
         tokens = 0
-        if sample is not None and outcome is not Outcome.CLIENT_CANCELLED:
-            up.controller.on_sample(sample)
+        if sample is not None and not outcome.is_client:
+            self._notify(up, "on_sample", sample)
             ttft, tpot, tokens = sample.ttft, sample.tpot, sample.output_tokens
         self.metrics.count_finished(up.name, outcome, ttft, tpot, tokens)
-        self._wake(self.queue.release(up, self.clock(), permit.ticket.tokens))
+        self._wake(self.queue.pump(now))
+
+    def _notify(self, up: Upstream, hook: str, *args: object) -> None:
+        """`up.controller.<hook>(*args)`; what it raises is logged (once) and counted."""
+        try:
+            getattr(up.controller, hook)(*args)
+        except Exception:
+            self.metrics.child(self.metrics.controller_errors, up.name, hook).inc()
+            if (up.name, hook) not in self._logged:
+                self._logged.add((up.name, hook))
+                log.exception("controller %s of upstream %s raised in %s (logged once; "
+                              "counted in kneegate_controller_errors_total)",
+                              type(up.controller).__name__, up.name, hook)
 
     def tick(self, upstreams: list[Upstream]) -> None:
         """Advance controllers, dispatch what fits, time out what waited too long."""
         now = self.clock()
         for up in upstreams:
-            up.controller.on_tick(now, up.inflight)
+            self._notify(up, "on_tick", now, up.inflight)
         self._wake(self.queue.pump(now))
         for t in self.queue.expire(now):
             self.metrics.queue_timeout.labels(t.cls).inc()

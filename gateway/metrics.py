@@ -3,7 +3,7 @@
 Counting is arranged so that nothing is lost without a count. At every scrape:
 
     received = admitted + shed + queue_timeout + queue_depth
-    admitted = completed + upstream_error + client_cancelled + in_flight
+    admitted = completed + upstream_error + client_cancelled + client_stalled + in_flight
 
 (`shed` has reasons queue_full, no_upstream and client_gone — the caller left while
 queued; `upstream_error` covers errors, timeouts and engine overload, detailed in
@@ -44,6 +44,7 @@ FINISHED = {
     Outcome.TIMEOUT: "upstream_error",
     Outcome.UPSTREAM_OVERLOADED: "upstream_error",
     Outcome.CLIENT_CANCELLED: "client_cancelled",
+    Outcome.CLIENT_STALLED: "client_stalled",
 }
 _FAILURE_KIND = {
     Outcome.UPSTREAM_ERROR: "error",
@@ -61,6 +62,7 @@ class LiveUpstream(Protocol):
 
     name: str
     inflight: int
+    handing: int  # of `inflight`, slots whose caller has not resumed (counted as queued)
     usable: bool
 
     @property
@@ -127,7 +129,7 @@ class _LiveCollector(Collector):
         for u in ups:
             knee = u.knee_estimate
             families["limit"].add_metric([u.name], u.limit)
-            families["in_flight"].add_metric([u.name], u.inflight)
+            families["in_flight"].add_metric([u.name], u.inflight - u.handing)
             families["usable"].add_metric([u.name], 1.0 if u.usable else 0.0)
             families["knee"].add_metric([u.name], math.nan if knee is None else knee)
             t = u.telemetry(now)
@@ -179,6 +181,9 @@ class GatewayMetrics:
         self.scrapes = Counter(
             "kneegate_engine_scrapes", "Engine /metrics scrapes by outcome (ok, timeout, error, "
             "http_error, unparsable)", ["upstream", "outcome"], registry=r)
+        self.controller_errors = Counter(
+            "kneegate_controller_errors", "Exceptions a controller raised (its update is "
+            "skipped; the request is unaffected)", ["upstream", "hook"], registry=r)
         self.reloads = Counter(
             "kneegate_config_reloads", "Config reloads by result", ["result"], registry=r)
         self._live: _LiveCollector | None = None

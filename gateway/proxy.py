@@ -95,8 +95,8 @@ class Exchange:
     """One request in flight: what the watcher and the sweeper need to end it."""
 
     __slots__ = (
-        "aborted", "admitted_at", "chunks", "finished", "seen_at", "seen_chunks", "started",
-        "task",
+        "aborted", "admitted_at", "chunks", "finished", "seen_at", "seen_chunks", "sending",
+        "started", "task",
     )
 
     def __init__(self, task: asyncio.Task[object]) -> None:
@@ -108,6 +108,7 @@ class Exchange:
         self.chunks = 0
         self.seen_chunks = 0
         self.seen_at = 0.0
+        self.sending = False  # awaiting the client's socket (back-pressure) in `send`
 
     def abort(self, outcome: Outcome) -> None:
         if self.aborted is None and not self.finished:
@@ -233,16 +234,13 @@ class Proxy:
         # overload the queue delays admissions by seconds); the one it is dispatched to,
         # again at admission. Admission weighs it against a controller's token budget.
         size = len(body) // 4
-        for up in self.pool.active:
-            if up.usable:
-                up.controller.on_arrival(size)
+        self.gate.arrival(self.pool.active, size)
         try:
             permit = await self.gate.acquire(cls, size)
         except Rejection as exc:
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         ex.admitted_at = permit.admitted_at
-        permit.upstream.controller.on_admit(size)
         self.active.add(ex)
         resp: UpstreamResponse | None = None
         tap: Tap | None = None
@@ -262,7 +260,11 @@ class Proxy:
             self.active.discard(ex)
             if ex.aborted is not None:
                 outcome = ex.aborted
-            permit.finish(outcome, self._sample(permit, outcome, tap))
+            sample = None
+            try:
+                sample = self._sample(permit, outcome, tap)
+            finally:  # even a sample that cannot be made must not keep the slot
+                permit.finish(outcome, sample)
             if resp is not None:
                 resp.release() if ex.finished else resp.close()
         if error is not None and not ex.started:
@@ -300,7 +302,10 @@ class Proxy:
                 ex.finished = True
                 await send({"type": "http.response.body", "body": chunk, "more_body": False})
                 return
+            # `send` waits while the client does not read: the sweeper tells that apart
+            ex.sending = True
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            ex.sending = False
         ex.finished = True
         await send(_END)
 
@@ -310,7 +315,7 @@ class Proxy:
         return Outcome.TIMEOUT if isinstance(exc, UpstreamTimeout) else Outcome.UPSTREAM_ERROR
 
     def _sample(self, permit: Permit, outcome: Outcome, tap: Tap | None) -> Sample | None:
-        if outcome is Outcome.CLIENT_CANCELLED:
+        if outcome.is_client:
             return None  # counted, never a latency sample
         at = permit.admitted_at
         ttft = None
@@ -326,7 +331,11 @@ class Proxy:
         )
 
     def sweep(self, now: float) -> None:
-        """Abort exchanges past their first-byte or idle deadline (called from the tick)."""
+        """Abort exchanges past their first-byte or idle deadline (called from the tick).
+
+        Silence while the relay waits on the client's socket is the client's doing (it
+        stopped reading): `client_stalled`, never a timeout against the engine.
+        """
         fb, idle = self.settings.first_byte, self.settings.idle
         for ex in self.active:
             if ex.chunks != ex.seen_chunks:
@@ -335,7 +344,7 @@ class Proxy:
                 if now - ex.admitted_at > fb:
                     ex.abort(Outcome.TIMEOUT)
             elif now - ex.seen_at > idle:
-                ex.abort(Outcome.TIMEOUT)
+                ex.abort(Outcome.CLIENT_STALLED if ex.sending else Outcome.TIMEOUT)
 
 
 def _body_writer(scope: Scope) -> BodyWriter | None:

@@ -64,6 +64,7 @@ class Upstream(UpstreamState):
     healthy: bool = True  # connects and answers /health
     stalled: bool = False  # scrapes show running requests and no new tokens for stall_after
     busy: bool = False  # a probe or scrape is running
+    handing: int = 0  # slots dispatched whose caller has not resumed yet (see Gate)
 
     @property
     def limit(self) -> int:

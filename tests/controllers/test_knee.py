@@ -381,3 +381,15 @@ def test_a_faster_reading_beside_a_breach_does_not_lift_it() -> None:
     # the stale 16 is gone, 22 is clean, the breach at 24 still caps: ceiling 22 (was inf)
     assert [p["concurrency"] for p in ctl.state()["curve"]] == [22, 24]
     assert (ctl.ceiling(), ctl.limit) == (22, 20)
+
+
+def test_an_idle_engine_publishes_no_knee_estimate() -> None:
+    # 1 running in 0.06% of the KV cache "reads" room for 1600: an extrapolation, not a knee
+    # (kneegate_knee_estimate showed ~1,600 idle against ~27 under load)
+    ctl = make(initial=8)
+    total = [0.0]
+    t = 0.0
+    for _ in range(3):
+        t = engine_level(ctl, t, 1, 20.0, kv=0.000625, total=total)
+    assert ctl.knee_estimate is None
+    assert ctl.state()["knee_estimate"] is None

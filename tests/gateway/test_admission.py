@@ -121,3 +121,19 @@ def test_a_request_goes_to_the_upstream_whose_budget_it_fits() -> None:
         q.offer(Ticket("lo", 0.0, tokens=900), 0.0)
     assert (full.inflight, roomy.inflight) == (1, 1)
     assert q.offer(Ticket("lo", 0.0, tokens=200), 0.0) == Admitted(roomy)
+
+
+def test_retry_after_at_cold_start_comes_from_the_limits() -> None:
+    # no completion yet: 30 ahead over two upstreams of 8 and 7 slots -> 31 / 15 -> 3 s
+    q = AdmissionQueue(pool(8, 7), CLASSES, max_queue=64, retry_after_max=60)
+    assert q.retry_after(30) == 3
+
+
+def test_retry_after_is_not_inflated_by_a_young_completion_rate() -> None:
+    # 20 completions at 10/s: the plain average still read 1.3/s (Retry-After 24 s for 30
+    # ahead); debiased it reads 10/s: 31 / 10 -> 4 s
+    q = AdmissionQueue(pool(10), CLASSES, max_queue=64, retry_after_max=60)
+    for i in range(20):
+        q.note_completion(100.0 + i / 10)
+    assert abs(q.completion_rate - 10.0) < 0.5
+    assert q.retry_after(30) == 4

@@ -39,7 +39,7 @@ def make_gate(limit: int = 2, max_queue: int = 4) -> tuple[Gate, Upstream, FakeC
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     gate = Gate(AdmissionQueue([up], classes, max_queue), metrics, clock)
-    metrics.bind_live(lambda: [up], lambda: [(c, gate.queue.depth(c)) for c in classes])
+    metrics.bind_live(lambda: [up], lambda: [(c, gate.depth(c)) for c in classes])
     return gate, up, clock
 
 
@@ -156,18 +156,69 @@ async def test_caller_leaving_the_queue_is_counted_and_frees_its_place() -> None
     conserved(gate)
 
 
-async def test_caller_leaving_just_after_dispatch_gives_the_slot_back() -> None:
+async def test_caller_leaving_just_after_dispatch_is_shed_not_admitted() -> None:
+    # The engine never saw it: shed client_gone (was counted admitted + client_cancelled).
     gate, up, _ = make_gate(limit=1)
     held = await gate.acquire("lo")
     waiting = asyncio.create_task(gate.acquire("lo"))
     await asyncio.sleep(0)
     held.finish(Outcome.OK, sample())  # dispatches the waiter: its future is resolved...
+    conserved(gate)  # a scrape now sees it queued, not yet admitted nor in flight
     waiting.cancel()  # ...but its task is cancelled before it resumes
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert up.inflight == 0
+    assert value(gate, "kneegate_requests_admitted_total", upstream="e0", **{"class": "lo"}) == 1
     assert value(gate, "kneegate_requests_finished_total", upstream="e0",
-                 outcome="client_cancelled") == 1
+                 outcome="client_cancelled") == 0
+    assert value(gate, "kneegate_requests_shed_total", **{"class": "lo"},
+                 reason="client_gone") == 1
+    conserved(gate)
+
+
+async def test_a_handed_slot_is_admitted_when_its_caller_resumes() -> None:
+    gate, up, _ = make_gate(limit=1)
+    held = await gate.acquire("lo")
+    waiting = asyncio.create_task(gate.acquire("lo"))
+    await asyncio.sleep(0)
+    held.finish(Outcome.OK, sample())
+    assert gate.depth("lo") == 1 and up.inflight == 1  # handed over, caller not resumed
+    with anyio.fail_after(1):
+        permit = await waiting
+    assert gate.depth("lo") == 0
+    assert value(gate, "kneegate_requests_admitted_total", upstream="e0", **{"class": "lo"}) == 2
+    conserved(gate)
+    permit.finish(Outcome.OK, sample())
+    conserved(gate)
+
+
+class Exploding:
+    """A controller whose every hook raises: a bug must cost no slot and no request."""
+
+    limit = 1
+    knee_estimate = None
+
+    def __getattr__(self, name: str) -> object:
+        def boom(*args: object) -> None:
+            raise RuntimeError(f"{name} exploded")
+        return boom
+
+
+async def test_a_controller_that_raises_keeps_no_slot() -> None:
+    gate, up, _ = make_gate(limit=1)
+    up.controller = Exploding()  # type: ignore[assignment]
+    first = await gate.acquire("lo")  # on_admit raises: counted, the permit still comes
+    waiting = asyncio.create_task(gate.acquire("lo"))
+    await asyncio.sleep(0)
+    first.finish(Outcome.OK, sample())  # on_sample raises after the slot is free
+    with anyio.fail_after(1):
+        second = await waiting  # the freed slot reached the waiter
+    gate.tick([up])  # on_tick raises: the tick goes on
+    second.finish(Outcome.OK, sample())
+    assert up.inflight == 0
+    assert value(gate, "kneegate_controller_errors_total", upstream="e0", hook="on_sample") == 2
+    assert value(gate, "kneegate_controller_errors_total", upstream="e0", hook="on_admit") == 2
+    assert value(gate, "kneegate_controller_errors_total", upstream="e0", hook="on_tick") == 1
     conserved(gate)
 
 

@@ -226,6 +226,34 @@ async def test_idle_timeout_cuts_a_stalled_stream() -> None:
             await rig.engine.aborted.wait()
 
 
+async def test_a_client_that_stops_reading_is_its_own_outcome_not_a_timeout() -> None:
+    # The engine streams fine; the client reads nothing, so the relay waits on its socket.
+    # That is the client's doing: client_stalled, no failure against the engine, no sample.
+    import socket
+
+    async with _rig(FakeEngine(), timeouts={"idle": 0.3}) as rig:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        port = int(rig.gw.rsplit(":", 1)[1])
+        sock.connect(("127.0.0.1", port))
+        body = json.dumps({"max_tokens": 100_000, "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            with anyio.fail_after(10):
+                while True:
+                    m = await rig.metrics()
+                    if total(m, "kneegate_requests_finished_total"):
+                        break
+                    await asyncio.sleep(0.05)
+        finally:
+            sock.close()
+        assert total(m, "kneegate_requests_finished_total", outcome="client_stalled") == 1
+        assert total(m, "kneegate_upstream_failures_total") == 0
+        assert total(m, "kneegate_in_flight") == 0
+        assert_conserved(m)
+
+
 async def test_unreachable_upstream_is_502_then_no_upstream() -> None:
     import socket
 
