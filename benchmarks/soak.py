@@ -223,11 +223,12 @@ def judge(res: SoakResult, rss_growth: float) -> list[str]:
 
 def report(res: SoakResult) -> None:
     print(f"{'t (s)':>6} {'RSS MiB':>8} {'fds':>5}")
-    for t, kib, fds in res.samples:
-        print(f"{t:6.0f} {kib / 1024:8.1f} {fds:5d}")
+    for t, kib, n in res.samples:
+        print(f"{t:6.0f} {kib / 1024:8.1f} {n:5d}")
     rss = [s[1] / 1024 for s in res.samples]
-    print(f"RSS start {rss[0]:.1f} MiB, end {rss[-1]:.1f}, peak {max(rss):.1f}; fds start {res.samples[0][2]}, end {res.samples[-1][2]}, "
-          f"peak {max(s[2] for s in res.samples)}")
+    fds = [s[2] for s in res.samples]
+    print(f"RSS start {rss[0]:.1f} MiB, end {rss[-1]:.1f}, peak {max(rss):.1f}; "
+          f"fds start {fds[0]}, end {fds[-1]}, peak {max(fds)}")
     print(f"offered {res.offered}; answers {dict(sorted(res.answers.items()))}")
     print(f"{res.scrapes} scrapes, {len(res.violations)} identity violations; "
           f"in flight at the end {res.final_in_flight:g}")
