@@ -180,7 +180,8 @@ class GatewayMetrics:
             "kneegate_engine_scrapes", "Engine /metrics scrapes by outcome (ok, timeout, error, "
             "http_error, unparsable)", ["upstream", "outcome"], registry=r)
         self.reloads = Counter(
-            "kneegate_config_reloads", "Config reloads by result", ["result"], registry=r)
+            "kneegate_config_reloads", "Config reloads by result (ok, error)", ["result"],
+            registry=r)
         self._live: _LiveCollector | None = None
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
