@@ -21,6 +21,7 @@ running `admin_token` and `api_keys` (removing them takes `admin_token: null`,
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -46,6 +47,9 @@ __all__ = [
 ]
 
 
+# libyaml's loader where PyYAML was built with it: ~10x faster (a reload runs on the event
+# loop); errors carry the same problem and line, and it caps nesting at 1000 itself.
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_CONFIG_BYTES = 1 << 20  # far above any real config (about 25,000 API keys)
 MAX_DEPTH = 32  # a config nests ~5 deep; PyYAML's loader recurses once per level
 MAX_NODES = 200_000  # values after alias expansion; a "billion laughs" file has 10**9
@@ -53,6 +57,18 @@ MAX_NODES = 200_000  # values after alias expansion; a "billion laughs" file has
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _shown(url: str) -> str:
+    """A URL as an error message may show it: no password, no query (either may be a secret)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    user, at, host = parts.netloc.rpartition("@")
+    if at and ":" in user:
+        parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")
+    return parts._replace(query="***").geturl() if parts.query else parts.geturl()
 
 
 class UpstreamConfig(_Frozen):
@@ -91,9 +107,10 @@ class UpstreamConfig(_Frozen):
     def _url_is_http_origin(cls, v: str) -> str:
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"need an http(s) URL with a host, got {v!r}")
+            raise ValueError(f"need an http(s) URL with a host, got {_shown(v)!r}")
         if parts.path not in ("", "/") or parts.query:
-            raise ValueError(f"give the engine's origin only (no path or query), got {v!r}")
+            raise ValueError(
+                f"give the engine's origin only (no path or query), got {_shown(v)!r}")
         return v.rstrip("/")
 
     @field_validator("metrics_url")
@@ -101,7 +118,7 @@ class UpstreamConfig(_Frozen):
     def _metrics_url_is_http(cls, v: str | None) -> str | None:
         parts = urlsplit(v or "http://x")
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"need an http(s) URL with a host, got {v!r}")
+            raise ValueError(f"need an http(s) URL with a host, got {_shown(v or '')!r}")
         return v
 
     @model_validator(mode="after")
@@ -211,6 +228,10 @@ class GatewayConfig(_Frozen):
         return self
 
 
+_FIELD_NAMES = sorted({name for m in (GatewayConfig, UpstreamConfig, ClassConfig, TimeoutConfig,
+                                       ServerConfig) for name in m.model_fields})
+
+
 def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:
     """Validate a parsed YAML document; raise ConfigError with the first field path."""
     if data is None:
@@ -223,6 +244,8 @@ def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:
         err = exc.errors()[0]
         where = _field_path(err["loc"])
         msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            where, msg = _unknown_key(err["loc"], msg)
         if not where and ": " in msg:  # model-level checks name their field first
             where, msg = msg.split(": ", 1)
         raise ConfigError(source, where, msg) from None
@@ -234,6 +257,17 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     if loc and loc[0] == "api_keys" and len(loc) > 1:
         return "api_keys.<key>"
     return ".".join(str(p) for p in loc)
+
+
+def _unknown_key(loc: tuple[int | str, ...], msg: str) -> tuple[str, str]:
+    # An unknown key is shown when it looks like a misspelt field; any other may be an API
+    # key indented one level too little, so it is not shown.
+    key = str(loc[-1])
+    near = difflib.get_close_matches(key, _FIELD_NAMES, n=1, cutoff=0.7)
+    if near:
+        return _field_path(loc), f"{msg} (did you mean {near[0]!r}?)"
+    where = ".".join([*(str(p) for p in loc[:-1]), "<unknown key>"])
+    return where, f"{msg} (the key is not shown: it may be a secret, e.g. an API key)"
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -273,7 +307,7 @@ def load_config(path: str | Path) -> GatewayConfig:
 def _parse_yaml(text: str, source: str) -> Any:
     try:
         _check_shape(text, source)
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_LOADER)  # a safe loader: plain data only
     except yaml.MarkedYAMLError as exc:
         raise ConfigError(source, "", f"not valid YAML: {_yaml_problem(exc)}") from None
     except yaml.reader.ReaderError as exc:  # a control character, e.g. a NUL
@@ -314,7 +348,7 @@ def _check_shape(text: str, source: str) -> None:
     anchors: list[str | None] = []  # per open collection: its anchor,
     counts: list[int] = []  # and the values in it so far
     total = 0
-    for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+    for ev in yaml.parse(text, Loader=_LOADER):
         if isinstance(ev, yaml.CollectionEndEvent):
             anchor, n = anchors.pop(), counts.pop()
             if anchor is not None:
@@ -348,7 +382,7 @@ def _check_shape(text: str, source: str) -> None:
 
 def _written_empty(text: str) -> bool:
     """Whether the top-level `admin_token` is written with no value at all (not `null`)."""
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    root = yaml.compose(text, Loader=_LOADER)
     empty = False
     for key, value in root.value if isinstance(root, yaml.MappingNode) else ():
         if isinstance(key, yaml.ScalarNode) and key.value == "admin_token":  # the last one wins

@@ -51,7 +51,9 @@ def test_defaults_need_no_file() -> None:
         ({"admin_token": ""}, "admin_token", "at least 1 character"),
         ({"classes": {"a": {"queue_share": 2}}, "default_class": "a"},
          "classes.a.queue_share", "less than or equal to 1"),
-        ({"sever": {}}, "sever", "Extra inputs are not permitted"),
+        ({"sever": {}}, "sever", "Extra inputs are not permitted (did you mean 'server'?)"),
+        ({"sk-live-0123abcd": "batch"}, "<unknown key>", "the key is not shown"),
+        ({"timeouts": {"sk_live_0123": 1}}, "timeouts.<unknown key>", "not shown"),
         ([1, 2], "", "mapping"),
     ],
 )
@@ -59,6 +61,13 @@ def test_bad_config_names_field_and_reason(data: object, field: str, reason: str
     got_field, got_reason = _field(data)
     assert got_field == field
     assert reason in got_reason
+
+
+def test_url_errors_hide_passwords_and_queries() -> None:
+    for url in ("http://ops:pw-secret@h:1/v1?key=k-secret", "ftp://ops:pw-secret@h:1"):
+        field, reason = _field({"upstreams": [{"name": "a", "url": url}]})
+        assert field == "upstreams.0.url" and "ops:***@h:1" in reason
+        assert "pw-secret" not in reason and "k-secret" not in reason
 
 
 def test_duplicate_upstream_names_rejected() -> None:
@@ -87,13 +96,15 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (b"# only a comment\n\n", "the config is empty"),
     (b"upstreams: []\nadmin_token:\n", "admin_token: no value"),
     (b"max_queue: 1\nclass_header: caf\xe9\n", "not UTF-8 text (byte 0xe9 at line 2)"),
-    (b"[" * 10_000, "nested deeper than 32 levels"),
+    (b"[" * 10_000, "nest"),  # libyaml's own cap (1000) or ours
+    ("".join(" " * i + "k:\n" for i in range(40)).encode(), "nested deeper than 32 levels"),
     (b"a: &a [1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
      b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c]\n"
      b"e: &e [*d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e]\n",
      "expands to more than"),
     (b"max_queue: " + b"9" * 5000, "a value cannot be converted"),
-    (b"admin_token: hunter2-secret: [\n", "mapping values are not allowed here at line 1"),
+    (b"admin_token: hunter2-secret: [\n", "mapping values are not allowed"),
+    (b"upstreams: []\nadmin_token: hunter2-secret: [\n", "at line 2, column"),
     (b"x" * (1 << 20) + b"\n", "larger than"),
 ])
 def test_files_that_cannot_be_a_config(tmp_path: Path, content: bytes, reason: str) -> None:
