@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.admission import AdmissionQueue, ClassPolicy
-from gateway.config import GatewayConfig, load_config
+from gateway.config import GatewayConfig, parse_reload, read_config
 from gateway.errors import ConfigError, HTTPError, NotFound, Unauthorized, render
 from gateway.gate import Gate
 from gateway.metrics import GatewayMetrics
@@ -134,23 +134,38 @@ class Gateway:
         self.gate.pump()
 
     def reload(self) -> tuple[bool, str]:
-        """Re-read the config file. A bad file keeps the old config, logs and counts it."""
+        """Re-read the config file. A bad file keeps the old config, logs and counts it.
+
+        A reload must give a config that could have started the gateway (see `_reloaded`).
+        """
         if self.config_path is None:
-            self.metrics.reloads.labels("failed").inc()
+            self.metrics.reloads.labels("error").inc()
             log.error("config reload asked for, but kneegate was started without --config")
             return False, "no config file to reload (started without --config)"
         try:
-            cfg = load_config(self.config_path)
-            if self.prepare is not None:
-                cfg = self.prepare(cfg)
-        except ConfigError as exc:
+            cfg, notes = self._reloaded(self.config_path)
+        except ConfigError as exc:  # its text never holds a secret (gateway/config.py)
             log.error("config reload rejected, keeping the old config: %s", exc)
-            self.metrics.reloads.labels("failed").inc()
+            self.metrics.reloads.labels("error").inc()
             return False, str(exc)
         self.apply(cfg)
         self.metrics.reloads.labels("ok").inc()
+        for note in notes:
+            log.warning("config reload: %s", note)
         log.warning("config reloaded from %s", self.config_path)
         return True, f"reloaded {self.config_path}"
+
+    def _reloaded(self, path: str) -> tuple[GatewayConfig, list[str]]:
+        # The file (never empty; secrets it leaves out kept), then this process's view of
+        # it. No upstream after `prepare` would be a total outage: the embedded engine, when
+        # it runs, is filled in by `prepare`, so only a file that drops every engine fails.
+        cfg, notes = parse_reload(read_config(path), self.config, path)
+        if self.prepare is not None:
+            cfg = self.prepare(cfg)
+        if not cfg.upstreams:
+            raise ConfigError(path, "upstreams", "the new file names no upstream; a reload "
+                              "cannot remove every engine (the running ones stay)")
+        return cfg, notes
 
     def status(self) -> dict[str, Any]:
         """Each upstream (its controller's state: limit, knee estimate, learned curve; its
@@ -202,8 +217,10 @@ def _own_endpoints(gw: Gateway) -> Starlette:
         token = gw.config.admin_token
         if token is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        # RFC 9110 §11.1: the scheme is case-insensitive; the token is compared in constant time
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        ok = hmac.compare_digest(given.strip().encode("latin-1"), token.encode())
+        if not ok or scheme.lower() != "bearer":
             raise _Denied
 
     async def health(request: Request) -> Response:

@@ -76,7 +76,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)
     names = ", ".join(f"{u.name}={u.url} ({u.controller})" for u in cfg.upstreams)
-    print(f"{args.file}: ok; upstreams: {names or 'none (embedded emulator)'}")
+    none = "none (serve starts the embedded emulator; a reload needs one unless it runs)"
+    print(f"{args.file}: ok; upstreams: {names or none}")
     return 0
 
 

@@ -185,7 +185,8 @@ class GatewayMetrics:
             "kneegate_controller_errors", "Exceptions a controller raised (its update is "
             "skipped; the request is unaffected)", ["upstream", "hook"], registry=r)
         self.reloads = Counter(
-            "kneegate_config_reloads", "Config reloads by result", ["result"], registry=r)
+            "kneegate_config_reloads", "Config reloads by result (ok, error)", ["result"],
+            registry=r)
         self._live: _LiveCollector | None = None
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 

@@ -63,7 +63,7 @@ class ProxySettings:
 
     max_body: int
     class_header: bytes
-    classes: dict[bytes, str]
+    classes: dict[bytes, str]  # only those a request may pick by header (`header: true`)
     api_keys: dict[bytes, str]
     default_class: str
     first_byte: float
@@ -74,7 +74,7 @@ class ProxySettings:
         return cls(
             max_body=cfg.max_body_bytes,
             class_header=cfg.class_header.lower().encode("latin-1"),
-            classes={name.encode(): name for name in cfg.classes},
+            classes={name.encode(): name for name, c in cfg.classes.items() if c.header},
             api_keys={key.encode(): name for key, name in cfg.api_keys.items()},
             default_class=cfg.default_class,
             first_byte=cfg.timeouts.first_byte,
@@ -82,6 +82,7 @@ class ProxySettings:
         )
 
     def classify(self, header: bytes | None, auth: bytes | None) -> str:
+        """An API key's class, else an opted-in class the header names, else the default."""
         if auth is not None and self.api_keys and auth[:7].lower() == b"bearer ":
             cls = self.api_keys.get(auth[7:].strip())
             if cls is not None:

@@ -94,7 +94,7 @@ async def test_serve_flags_and_sighup_reload(tmp_path: Path) -> None:
             with anyio.fail_after(5):
                 while True:
                     m = (await client.get(url + "/metrics")).text
-                    if 'kneegate_config_reloads_total{result="failed"} 1.0' in m:
+                    if 'kneegate_config_reloads_total{result="error"} 1.0' in m:
                         break
                     await asyncio.sleep(0.05)
             assert await limits(client, url) == [5]  # the bad file changed nothing

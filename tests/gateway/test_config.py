@@ -25,6 +25,7 @@ def test_example_file_loads() -> None:
     assert cfg.upstreams[0].name == "vllm-0"
     assert cfg.classes["interactive"].priority > cfg.classes["batch"].priority
     assert cfg.api_keys == {"sk-batch-jobs-0001": "batch"}
+    assert cfg.classes["batch"].header and not cfg.classes["interactive"].header
 
 
 def test_defaults_need_no_file() -> None:
@@ -45,10 +46,14 @@ def test_defaults_need_no_file() -> None:
         ({"timeouts": {"idle": -1}}, "timeouts.idle", "greater than 0"),
         ({"max_queue": -1}, "max_queue", "greater than or equal to 0"),
         ({"default_class": "vip"}, "default_class", "'vip' is not one of"),
-        ({"api_keys": {"k1234": "vip"}}, "api_keys", "unknown class 'vip'"),
+        ({"api_keys": {"k1234": "vip"}}, "api_keys", "entry 1 maps to unknown class 'vip'"),
+        ({"api_keys": {"k1234": 5}}, "api_keys.<key>", "valid string"),
+        ({"admin_token": ""}, "admin_token", "at least 1 character"),
         ({"classes": {"a": {"queue_share": 2}}, "default_class": "a"},
          "classes.a.queue_share", "less than or equal to 1"),
-        ({"sever": {}}, "sever", "Extra inputs are not permitted"),
+        ({"sever": {}}, "sever", "Extra inputs are not permitted (did you mean 'server'?)"),
+        ({"sk-live-0123abcd": "batch"}, "<unknown key>", "the key is not shown"),
+        ({"timeouts": {"sk_live_0123": 1}}, "timeouts.<unknown key>", "not shown"),
         ([1, 2], "", "mapping"),
     ],
 )
@@ -56,6 +61,13 @@ def test_bad_config_names_field_and_reason(data: object, field: str, reason: str
     got_field, got_reason = _field(data)
     assert got_field == field
     assert reason in got_reason
+
+
+def test_url_errors_hide_passwords_and_queries() -> None:
+    for url in ("http://ops:pw-secret@h:1/v1?key=k-secret", "ftp://ops:pw-secret@h:1"):
+        field, reason = _field({"upstreams": [{"name": "a", "url": url}]})
+        assert field == "upstreams.0.url" and "ops:***@h:1" in reason
+        assert "pw-secret" not in reason and "k-secret" not in reason
 
 
 def test_duplicate_upstream_names_rejected() -> None:
@@ -74,6 +86,42 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (tmp_path / "broken.yaml").write_text("upstreams: [\n")
     assert main(["check-config", str(tmp_path / "broken.yaml")]) == 1
     assert "not valid YAML" in capsys.readouterr().err
+    (tmp_path / "empty.yaml").write_text("")
+    assert main(["check-config", str(tmp_path / "empty.yaml")]) == 1
+    assert "the config is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (b"", "the config is empty"),
+    (b"# only a comment\n\n", "the config is empty"),
+    (b"upstreams: []\nadmin_token:\n", "admin_token: no value"),
+    (b"max_queue: 1\nclass_header: caf\xe9\n", "not UTF-8 text (byte 0xe9 at line 2)"),
+    (b"[" * 10_000, "nest"),  # libyaml's own cap (1000) or ours
+    ("".join(" " * i + "k:\n" for i in range(40)).encode(), "nested deeper than 32 levels"),
+    (b"a: &a [1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
+     b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c]\n"
+     b"e: &e [*d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e]\n",
+     "expands to more than"),
+    (b"max_queue: " + b"9" * 5000, "a value cannot be converted"),
+    (b"admin_token: hunter2-secret: [\n", "mapping values are not allowed"),
+    (b"upstreams: []\nadmin_token: hunter2-secret: [\n", "at line 2, column"),
+    (b"x" * (1 << 20) + b"\n", "larger than"),
+])
+def test_files_that_cannot_be_a_config(tmp_path: Path, content: bytes, reason: str) -> None:
+    path = tmp_path / "kneegate.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert reason in str(info.value)
+    assert "hunter2" not in str(info.value)  # PyYAML would quote the line; we do not
+
+
+def test_a_null_admin_token_and_an_empty_mapping_are_fine(tmp_path: Path) -> None:
+    path = tmp_path / "kneegate.yaml"
+    path.write_text("admin_token: null  # none\n")
+    assert load_config(path).admin_token is None
+    path.write_text("{}")
+    assert load_config(path) == GatewayConfig()
 
 
 def _flags(**kw: object) -> argparse.Namespace:

@@ -310,7 +310,7 @@ async def test_engine_metrics_are_scraped_for_the_controller() -> None:
 
 
 async def test_api_key_and_header_pick_the_class() -> None:
-    classes = {"interactive": {"priority": 10}, "batch": {"priority": 0}}
+    classes = {"interactive": {"priority": 10}, "batch": {"priority": 0, "header": True}}
     cfg_kw: dict[str, Any] = {"classes": classes, "default_class": "interactive",
               "api_keys": {"sk-batch": "batch"}}
     async with _rig(FakeEngine(), **cfg_kw) as rig:
@@ -360,5 +360,5 @@ async def test_reload_under_load_drops_nothing(tmp_path: Path) -> None:
             assert engine.max_running <= 4
             m = scrape((await client.get(gw + "/metrics")).text)
             assert total(m, "kneegate_config_reloads_total", result="ok") == 1
-            assert total(m, "kneegate_config_reloads_total", result="failed") == 1
+            assert total(m, "kneegate_config_reloads_total", result="error") == 1
             assert total(m, "kneegate_requests_finished_total", outcome="completed") == 8
