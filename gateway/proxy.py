@@ -1,10 +1,10 @@
 """The hot path: admit, forward, relay chunk by chunk, release.
 
 One request, in order:
-1. read the body (413 past `max_body_bytes`: at once when Content-Length says so, before
-   reading any of it; the connection is closed after it), pick its class (API key, else header, else
-   the default), build the forwarded headers (hop-by-hop dropped, X-Forwarded-For added,
-   X-Request-Id kept or made);
+1. build the forwarded headers (hop-by-hop dropped, X-Forwarded-For added, X-Request-Id
+   kept or made), read the body (413 past `max_body_bytes`, and the connection closed: at
+   once when Content-Length says so, before reading any of it), pick its class (API key,
+   else header, else the default);
 2. `gate.acquire(class)`: a permit, or a Rejection answered as 429/503 with Retry-After;
 3. open the upstream request and relay every chunk as it arrives, through the `Tap` (no
    StreamingResponse, no re-encoding): written from the upstream socket's callback when the

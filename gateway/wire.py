@@ -24,7 +24,9 @@ sends is bounded before it reaches the app, in the protocol's callbacks, with no
 at most one timer per connection and phase:
 
 - the request head (request line and headers) is counted as bytes arrive, before httptools
-  buffers them: past `max_header_bytes`, or past `max_headers` fields, the client gets 431;
+  buffers them: past `max_header_bytes`, or past `max_headers` fields, the client gets 431
+  (a pipelined head that starts within the read that ends the request before it is counted
+  from its next read: it may reach twice the limit, never more);
 - the head must arrive within `header_timeout` of the connection or of its first byte
   (slowloris): 408, or a silent close when nothing came at all (nginx does the same);
 - a request body must not pause longer than `body_timeout` between two reads: 408;

@@ -273,14 +273,14 @@ async def test_slow_body_gets_408_and_a_steady_one_does_not() -> None:
         gw.assert_untouched()
 
         # the timeout is between two reads, not for the whole body (nginx
-        # client_body_timeout): a body dripping every 0.1 s for 0.8 s is fine
+        # client_body_timeout): a body dripping every 0.05 s for 0.5 s is fine
         reader, writer = await gw.connect()
-        raw = _request(body=b'{"max_tokens": 1}    ', headers=["connection: close"])
+        raw = _request(body=b'{"max_tokens": 1}   ', headers=["connection: close"])
         cut = raw.index(b"\r\n\r\n") + 4
         writer.write(raw[:cut])
-        for i in range(cut, len(raw), 3):
-            await asyncio.sleep(0.1)
-            writer.write(raw[i:i + 3])
+        for i in range(cut, len(raw), 2):
+            await asyncio.sleep(0.05)
+            writer.write(raw[i:i + 2])
         status, _, _ = _parse(await _until_eof(reader, bound=3.0))
         writer.close()
         assert status == 200 and gw.engine.requests == 1
@@ -386,3 +386,10 @@ def test_every_refusal_is_counted_and_logged_sparingly(caplog: pytest.LogCapture
     assert [r.getMessage() for r in caplog.records] == [
         "client 10.0.0.1:5 refused: header_bytes",
         "client 10.0.0.1:5 refused: header_bytes (4 more since the last line)"]
+
+
+def test_limits_change_only_with_a_restart() -> None:
+    # the server's connections read them at start-up: a reload keeps the running ones
+    app = build_app(gw_config("http://127.0.0.1:9"))
+    app.gateway.apply(gw_config("http://127.0.0.1:9", limits={"max_headers": 7}))
+    assert app.gateway.config.limits == LimitsConfig()
