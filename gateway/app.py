@@ -124,6 +124,9 @@ class Gateway:
         if new.server != self.config.server:
             log.warning("server settings changed; they take effect only after a restart")
             new = new.model_copy(update={"server": self.config.server})
+        if new.limits != self.config.limits:  # the server's connections read them at start
+            log.warning("client limits changed; they take effect only after a restart")
+            new = new.model_copy(update={"limits": self.config.limits})
         ups = self.pool.reload(new.upstreams)
         self.queue.reconfigure(_policies(new), new.max_queue, list(ups))
         self.queue.retry_after_min = new.retry_after_min

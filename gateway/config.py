@@ -35,6 +35,7 @@ from gateway.errors import ConfigError
 __all__ = [
     "ClassConfig",
     "GatewayConfig",
+    "LimitsConfig",
     "ServerConfig",
     "TimeoutConfig",
     "UpstreamConfig",
@@ -178,6 +179,30 @@ class TimeoutConfig(_Frozen):
     idle: float = Field(120.0, gt=0, description="longest silence between two body chunks")
 
 
+class LimitsConfig(_Frozen):
+    """What one client may send and hold open (nginx/Envoy-like defaults). Read when the
+    server starts: changing them needs a restart, like `server`."""
+
+    max_header_bytes: int = Field(
+        65536, ge=1024, le=16 << 20,
+        description="request line plus headers of one request, bytes; more: 431 and close")
+    max_headers: int = Field(
+        100, ge=1, le=10000, description="header fields in one request; more: 431 and close")
+    header_timeout: float = Field(
+        60.0, gt=0, le=3600,
+        description="the request head must arrive within this, from connect or its first "
+        "byte; else 408 (silent close if nothing came) and close")
+    body_timeout: float = Field(
+        60.0, gt=0, le=3600,
+        description="longest silence between two reads of a request body; else 408 and close")
+    keepalive_timeout: float = Field(
+        60.0, gt=0, le=3600,
+        description="an idle keep-alive client connection is closed after this")
+    max_connections: int = Field(
+        10000, ge=1, le=1_000_000,
+        description="open client connections per worker; a request on one more gets 503 and close")
+
+
 class ServerConfig(_Frozen):
     """Where the gateway listens. Changing these needs a restart, not a reload."""
 
@@ -202,6 +227,7 @@ class GatewayConfig(_Frozen):
     max_queue: int = Field(256, ge=0, description="queued requests, all classes together")
     max_body_bytes: int = Field(8 << 20, ge=1, description="larger request bodies get 413")
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     retry_after_min: int = Field(1, ge=0, description="Retry-After floor, seconds")
     retry_after_max: int = Field(60, ge=1, description="Retry-After ceiling, seconds")
     tick_interval: float = Field(0.1, gt=0, le=5, description="controller tick and sweep period")

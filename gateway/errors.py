@@ -6,9 +6,12 @@
         ├── Rejection          admission said no; always carries Retry-After
         │   ├── QueueFull          429 queue_full
         │   ├── QueueTimeout       503 queue_timeout
-        │   └── NoUpstream         503 no_upstream
+        │   ├── NoUpstream         503 no_upstream
+        │   └── TooManyConnections 503 too_many_connections: over limits.max_connections
         ├── NotFound           404: not a proxied path (never an open proxy)
-        ├── BodyTooLarge       413: over max_body_bytes
+        ├── BodyTooLarge       413: over max_body_bytes (closes the connection)
+        ├── HeadersTooLarge    431: request head over limits.max_header_bytes / max_headers
+        ├── RequestTimeout     408: request head or body slower than limits.*_timeout
         ├── Unauthorized       401: admin endpoint without the right bearer token
         └── UpstreamError      502: the engine failed or broke off
             ├── UpstreamConnectError  502: could not connect (marks the upstream unusable)
@@ -31,12 +34,15 @@ __all__ = [
     "BodyTooLarge",
     "ConfigError",
     "HTTPError",
+    "HeadersTooLarge",
     "KneegateError",
     "NoUpstream",
     "NotFound",
     "QueueFull",
     "QueueTimeout",
     "Rejection",
+    "RequestTimeout",
+    "TooManyConnections",
     "Unauthorized",
     "UpstreamConnectError",
     "UpstreamError",
@@ -104,12 +110,28 @@ class NoUpstream(Rejection):
     status, type, code, reason = 503, "server_error", "no_upstream", "no_upstream"
 
 
+class TooManyConnections(Rejection):
+    status, type, code, reason = 503, "server_error", "too_many_connections", "connection_limit"
+
+
 class NotFound(HTTPError):
     status, type, code = 404, "invalid_request_error", "not_found"
 
 
 class BodyTooLarge(HTTPError):
     status, type, code = 413, "invalid_request_error", "body_too_large"
+
+    def extra_headers(self) -> list[tuple[bytes, bytes]]:
+        # the rest of the body is never read: the connection cannot carry another request
+        return [(b"connection", b"close")]
+
+
+class HeadersTooLarge(HTTPError):
+    status, type, code = 431, "invalid_request_error", "headers_too_large"
+
+
+class RequestTimeout(HTTPError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
 class Unauthorized(HTTPError):

@@ -18,6 +18,11 @@ only while fresh (stale figures are absent, not repeated), `kneegate_engine_stat
 and `kneegate_engine_stale` (1 when there are no figures younger than `stale_after`), and
 `kneegate_upstream_stalled` (running requests, no new tokens). Scrapes are counted by outcome
 in `kneegate_engine_scrapes_total`.
+
+Clients refused before their request reaches admission (its head too large or too slow, its
+body too large or too slow, one connection too many: see gateway/wire.py and the proxy's
+413) are counted in `kneegate_client_rejections_total{reason}`, outside the identities above:
+such a request was never received.
 """
 
 from __future__ import annotations
@@ -35,7 +40,17 @@ from controllers.base import Outcome
 from gateway.telemetry import Telemetry
 from gateway.types import Clock
 
-__all__ = ["FINISHED", "GatewayMetrics", "LiveUpstream"]
+__all__ = ["CLIENT_REJECTIONS", "FINISHED", "GatewayMetrics", "LiveUpstream"]
+
+# The `reason` label of kneegate_client_rejections_total (each series exists from the start).
+CLIENT_REJECTIONS = (
+    "header_bytes",  # 431: request line plus headers over limits.max_header_bytes
+    "header_count",  # 431: more than limits.max_headers header fields
+    "header_timeout",  # 408 (or a silent close) after limits.header_timeout
+    "body_timeout",  # 408: no body bytes for limits.body_timeout
+    "body_too_large",  # 413: over max_body_bytes, by Content-Length or as it arrived
+    "connection_limit",  # 503: a request on a connection over limits.max_connections
+)
 
 # Outcome -> the `outcome` label of kneegate_requests_finished_total.
 FINISHED = {
@@ -187,6 +202,11 @@ class GatewayMetrics:
         self.reloads = Counter(
             "kneegate_config_reloads", "Config reloads by result (ok, error)", ["result"],
             registry=r)
+        self.client_rejections = Counter(
+            "kneegate_client_rejections", "Clients refused before admission, by reason",
+            ["reason"], registry=r)
+        for reason in CLIENT_REJECTIONS:
+            self.client_rejections.labels(reason)
         self._live: _LiveCollector | None = None
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
@@ -210,6 +230,10 @@ class GatewayMetrics:
             self.registry.unregister(self._live)
         self._live = _LiveCollector(upstreams, queue_depths, clock)
         self.registry.register(self._live)
+
+    def count_client_rejection(self, reason: str) -> None:
+        """One client refused before admission; `reason` is one of CLIENT_REJECTIONS."""
+        self.child(self.client_rejections, reason).inc()
 
     def count_scrape(self, upstream: str, outcome: str) -> None:
         self.child(self.scrapes, upstream, outcome).inc()

@@ -1,9 +1,10 @@
 """The hot path: admit, forward, relay chunk by chunk, release.
 
 One request, in order:
-1. read the body (413 past `max_body_bytes`), pick its class (API key, else header, else
-   the default), build the forwarded headers (hop-by-hop dropped, X-Forwarded-For added,
-   X-Request-Id kept or made);
+1. build the forwarded headers (hop-by-hop dropped, X-Forwarded-For added, X-Request-Id
+   kept or made), read the body (413 past `max_body_bytes`, and the connection closed: at
+   once when Content-Length says so, before reading any of it), pick its class (API key,
+   else header, else the default);
 2. `gate.acquire(class)`: a permit, or a Rejection answered as 429/503 with Retry-After;
 3. open the upstream request and relay every chunk as it arrives, through the `Tap` (no
    StreamingResponse, no re-encoding): written from the upstream socket's callback when the
@@ -161,14 +162,19 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         s = self.settings
+        headers, rid, cls, length = self._forward_headers(scope, s)
         try:
+            if length is not None and int(length) > s.max_body:
+                # said up front: answer before reading any of it
+                raise BodyTooLarge(f"request body of {int(length)} bytes exceeds "
+                                   f"{s.max_body} bytes; send a smaller request")
             body = await read_body(receive, s.max_body)
         except BodyTooLarge as exc:
-            await send_error(send, exc)
+            self.gate.metrics.count_client_rejection("body_too_large")
+            await send_error(send, exc, [(b"x-request-id", rid)])
             return
         if body is None:
             return
-        headers, rid, cls = self._forward_headers(scope, s)
         task = asyncio.current_task()
         assert task is not None
         ex = Exchange(task)
@@ -198,11 +204,14 @@ class Proxy:
 
     def _forward_headers(
         self, scope: Scope, s: ProxySettings
-    ) -> tuple[list[tuple[bytes, bytes]], bytes, str]:
+    ) -> tuple[list[tuple[bytes, bytes]], bytes, str, bytes | None]:
+        """Headers for the engine, the request id, the class, and the Content-Length."""
         out: list[tuple[bytes, bytes]] = []
-        xff = rid = cls_value = auth = None
+        xff = rid = cls_value = auth = length = None
         for k, v in scope["headers"]:
             if k in HOP_BY_HOP:
+                if k == b"content-length" and v.isdigit():  # the parser checked it already
+                    length = v
                 continue
             if k == b"x-forwarded-for":
                 xff = v
@@ -222,7 +231,7 @@ class Proxy:
             xff = client[0].encode() if xff is None else xff + b", " + client[0].encode()
         if xff is not None:
             out.append((b"x-forwarded-for", xff))
-        return out, rid, s.classify(cls_value, auth)
+        return out, rid, s.classify(cls_value, auth), length
 
     async def _serve(
         self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[bytes, bytes]],

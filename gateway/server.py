@@ -27,9 +27,9 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import build_app
-from gateway.config import GatewayConfig, split_for_worker
-from gateway.wire import KneegateHttpProtocol
+from gateway.app import KneegateApp, build_app
+from gateway.config import GatewayConfig, LimitsConfig, split_for_worker
+from gateway.wire import ClientLimits, KneegateHttpProtocol, WireConfig
 
 __all__ = ["QuietServer", "bind", "embedded_upstream", "run", "serving", "uvicorn_config"]
 
@@ -41,14 +41,22 @@ Prepare = Callable[[GatewayConfig], GatewayConfig]
 def uvicorn_config(
     app: Any, *, log_level: str = "warning",
     http: type[asyncio.Protocol] | str = KneegateHttpProtocol,
+    limits: LimitsConfig | None = None,
 ) -> uvicorn.Config:
     """The uvicorn settings the gateway runs with (tests use the same).
 
-    `http`: uvicorn's httptools protocol plus the body writer of gateway/wire.py; tests
-    pass "httptools" to run the app the way any other ASGI server would.
+    `http`: uvicorn's httptools protocol plus the body writer and client limits of
+    gateway/wire.py; tests pass "httptools" to run the app the way any other ASGI server
+    would. `limits`: default the gateway app's own `config.limits` (its rejections are
+    counted in its metrics), else the defaults (the emulator). Read once, at start-up.
     """
-    return uvicorn.Config(
+    gw = app.gateway if isinstance(app, KneegateApp) else None
+    if limits is None:
+        limits = gw.config.limits if gw is not None else LimitsConfig()
+    count = gw.metrics.count_client_rejection if gw is not None else None
+    return WireConfig(
         app,
+        client_limits=ClientLimits(limits, count),
         loop="uvloop",
         http=http,
         lifespan="on",
@@ -57,7 +65,7 @@ def uvicorn_config(
         server_header=False,  # the upstream's own Server and Date headers pass through
         date_header=False,
         backlog=4096,
-        timeout_keep_alive=75,
+        timeout_keep_alive=limits.keepalive_timeout,  # typed int; call_later takes a float
         timeout_graceful_shutdown=25,  # then open streams are cancelled (and released)
         log_level=log_level,
     )

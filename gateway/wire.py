@@ -1,4 +1,4 @@
-"""uvicorn's httptools protocol plus one ASGI extension: a synchronous body-chunk writer.
+"""uvicorn's httptools protocol plus one ASGI extension and the client-side limits.
 
 Why. At 1024 realistic streams (~50k SSE events/s) a relay through ASGI `send` costs, per
 event: a future resolved by the upstream socket's callback, a task step to resume the
@@ -11,30 +11,77 @@ What it is. `scope["extensions"]["kneegate.body_writer"]` is a `BodyWriter` for 
 current response. `BodyWriter.write(data)` frames `data` as one HTTP/1.1 chunk and writes
 it to the connection now, and returns True — or returns False, writing nothing, whenever
 plain ASGI `send` must be used instead: the response is not chunked (it has a
-Content-Length, or is a HEAD), it has not started or has completed, the client is gone,
-or the client's socket is applying back-pressure (`send` is what waits for it to drain).
+Content-Length, or is a HEAD, or goes to an HTTP/1.0 client), it has not started or has
+completed, the client is gone, or the client's socket is applying back-pressure (`send` is
+what waits for it to drain).
 The status line, headers and the final chunk always go through `send`, so uvicorn's own
 state (keep-alive, response completion, pipelining) stays exactly what it tracks.
 `BodyWriter.on_disconnect` is called when the client's connection is lost mid-response,
 so the proxy needs no task parked on `receive()` to notice.
 
+Client limits (`ClientLimits`, from the config's `limits`, fixed at start-up). What a client
+sends is bounded before it reaches the app, in the protocol's callbacks, with no task and
+at most one timer per connection and phase:
+
+- the request head (request line and headers) is counted as bytes arrive, before httptools
+  buffers them: past `max_header_bytes`, or past `max_headers` fields, the client gets 431
+  (a pipelined head that starts within the read that ends the request before it is counted
+  from its next read: it may reach twice the limit, never more);
+- the head must arrive within `header_timeout` of the connection or of its first byte
+  (slowloris): 408, or a silent close when nothing came at all (nginx does the same);
+- a request body must not pause longer than `body_timeout` between two reads: 408;
+- an idle keep-alive connection is closed after `keepalive_timeout` (uvicorn's own timer);
+- a connection accepted past `max_connections` open ones is answered 503 on its request.
+
+Each refusal is counted (`kneegate_client_rejections_total{reason}`), answered with the
+OpenAI-style body and `connection: close`, and the connection is then closed the way nginx
+does it ("lingering close"): the answer is flushed with a FIN, and what the client still
+sends is read and dropped for a few seconds; a plain close with unread input would make
+the kernel send a reset that can destroy the answer before the client reads it.
+
+HTTP/1.0 clients cannot read chunked bodies: a response without Content-Length goes to
+them close-delimited (raw bytes, the end of the body is the end of the connection).
+
 This reads attributes of uvicorn's RequestResponseCycle (`transport`, `flow`,
-`disconnected`, `response_started`, `response_complete`, `chunked_encoding`), so uvicorn is
-pinned below its next minor version in pyproject.toml; tests/gateway/test_wire.py runs the
-extension on the real server. Without it (any other ASGI server) the proxy relays through
-`send`.
+`disconnected`, `response_started`, `response_complete`, `chunked_encoding`) and replaces
+its protocol's `data_received`, so uvicorn is pinned below its next minor version in
+pyproject.toml; tests/gateway/test_wire.py and test_client_limits.py run this on the real
+server. Without it (any other ASGI server) the proxy relays through `send`, and the limits
+are that server's own.
 """
 
 from __future__ import annotations
 
+import logging
+from asyncio import TimerHandle, Transport
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+import httptools
+import uvicorn
+from uvicorn._types import ASGISendEvent
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
-__all__ = ["EXTENSION", "BodyWriter", "KneegateHttpProtocol"]
+from gateway.config import LimitsConfig
+from gateway.errors import (
+    HeadersTooLarge,
+    HTTPError,
+    RequestTimeout,
+    TooManyConnections,
+    render,
+)
+
+__all__ = ["EXTENSION", "BodyWriter", "ClientLimits", "KneegateHttpProtocol", "WireConfig"]
 
 EXTENSION = "kneegate.body_writer"
+LINGER = 5.0  # seconds a refused client's further input is read and dropped (nginx: 5 s)
+LOG_EVERY = 10.0  # seconds between two log lines about refusals of one reason
+
+log = logging.getLogger("kneegate")
 
 
 class BodyWriter:
@@ -79,18 +126,200 @@ class BodyWriter:
             callback()
 
 
+def _ignore(reason: str) -> None:
+    pass
+
+
+def _answer(exc: HTTPError) -> bytes:
+    """The whole response for a refusal, written by the protocol itself (no ASGI cycle)."""
+    status, headers, body = render(exc)
+    lines = [STATUS_LINE[status], *(k + b": " + v + b"\r\n" for k, v in headers)]
+    return b"".join([*lines, b"connection: close\r\n\r\n", body])
+
+
+class ClientLimits:
+    """The `limits` one server's connections enforce, with their answers prepared once.
+
+    `count(reason)` is called once per refusal (the gateway's metrics; a no-op elsewhere).
+    """
+
+    __slots__ = ("_logged", "answers", "body_timeout", "count", "header_timeout",
+                 "max_connections", "max_header_bytes", "max_headers")
+
+    def __init__(self, cfg: LimitsConfig, count: Callable[[str], None] | None = None) -> None:
+        self.max_header_bytes, self.max_headers = cfg.max_header_bytes, cfg.max_headers
+        self.header_timeout, self.body_timeout = cfg.header_timeout, cfg.body_timeout
+        self.max_connections = cfg.max_connections
+        self.count = count or _ignore
+        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last line at, unlogged)
+        self.answers: dict[str, bytes] = {
+            "header_bytes": _answer(HeadersTooLarge(
+                f"request line and headers exceed {cfg.max_header_bytes} bytes; "
+                "send fewer or smaller headers")),
+            "header_count": _answer(HeadersTooLarge(
+                f"more than {cfg.max_headers} header fields; send fewer headers")),
+            "header_timeout": _answer(RequestTimeout(
+                f"request headers not received within {cfg.header_timeout:g}s")),
+            "body_timeout": _answer(RequestTimeout(
+                f"request body paused for more than {cfg.body_timeout:g}s; "
+                "send it without pauses")),
+            "connection_limit": _answer(TooManyConnections(
+                f"more than {cfg.max_connections} open connections; retry after 1s", 1)),
+        }
+
+
+    def refused(self, reason: str, peer: str, now: float) -> None:
+        """Count a refusal; log it, at most one line per reason every LOG_EVERY seconds
+        (a flood of bad clients must not become a flood of log lines)."""
+        self.count(reason)
+        at, unlogged = self._logged.get(reason, (-LOG_EVERY, 0))
+        if now - at < LOG_EVERY:
+            self._logged[reason] = (at, unlogged + 1)
+            return
+        self._logged[reason] = (now, 0)
+        more = f" ({unlogged} more since the last line)" if unlogged else ""
+        log.info("client %s refused: %s%s", peer, reason, more)
+
+
+class WireConfig(uvicorn.Config):
+    """uvicorn's settings plus the client limits `KneegateHttpProtocol` enforces."""
+
+    def __init__(self, app: Any, *, client_limits: ClientLimits, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.client_limits = client_limits
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing; `feed_data` re-raises it as context."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class KneegateHttpProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol; each request's scope also carries a `BodyWriter`."""
+    """uvicorn's HTTP/1.1 protocol with the client limits; each request's scope also
+    carries a `BodyWriter`."""
 
     _writers: list[BodyWriter] | None = None  # this connection's unfinished responses
 
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        limits = config.client_limits if isinstance(config, WireConfig) else None
+        self._limits = limits or ClientLimits(LimitsConfig())
+        # bytes the current request head may still take; None while no head is read
+        self._head_room: int | None = self._limits.max_header_bytes
+        self._headers_left = self._limits.max_headers
+        self._head_timer: TimerHandle | None = None
+        self._body_timer: TimerHandle | None = None
+        self._body_seen = 0.0  # loop time of the last read of the request body
+        self._reading_body = False
+        self._over_cap = False
+        self._lingering = False
+
+    # --- connection -------------------------------------------------------------------
+
+    def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        limits = self._limits
+        # uvicorn counts this one in already; its own cap (limit_concurrency) also counts
+        # request tasks, answers 503 text/plain, logs a line per refusal and refuses at N-1
+        self._over_cap = len(self.connections) > limits.max_connections
+        # nginx: the first request's head is due header_timeout after the accept
+        self._head_timer = self.loop.call_later(limits.header_timeout, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+        writers, self._writers = self._writers, None
+        for w in writers or ():
+            w._lost()
+
+    def shutdown(self) -> None:
+        if self._lingering:  # the refused client is owed nothing more
+            self.transport.close()
+            return
+        super().shutdown()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # a refused client's input is dropped until the connection closes
+        room = self._head_room
+        if room is not None:
+            if len(data) > room:
+                self._head_overflow(data, room)
+                return
+            self._head_room = room - len(data)
+            if self._head_timer is None:  # the first bytes of a head after keep-alive
+                self._head_timer = self.loop.call_later(
+                    self._limits.header_timeout, self._head_timed_out)
+        elif self._reading_body:
+            self._body_seen = self.loop.time()
+        self._feed(data)
+        if self._reading_body and self._body_timer is None and not self._lingering:
+            self._body_seen = self.loop.time()
+            self._body_timer = self.loop.call_later(
+                self._limits.body_timeout, self._body_timed_out)
+
+    def _head_overflow(self, data: bytes, room: int) -> None:
+        # The head would outgrow its limit within this read: parse only what fits. If the
+        # head ends there, the rest is its body or the next request; else it is too large,
+        # and no more of it was ever buffered.
+        self._head_room = 0
+        self._feed(data[:room])
+        if self._lingering or self.transport.is_closing():
+            return
+        if self._head_room == 0:
+            self._refuse("header_bytes")
+        else:
+            self.data_received(data[room:])
+
+    def _feed(self, data: bytes) -> None:
+        # uvicorn's data_received, plus the refusals raised from the parser callbacks
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _Refused):
+                self._refuse(exc.__context__.reason)
+                return
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    # --- parser callbacks -------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._headers_left = self._limits.max_headers
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers_left -= 1
+        if self._headers_left < 0:
+            raise _Refused("header_count")
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        self._head_room = None
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if self._over_cap:
+            raise _Refused("connection_limit")
         super().on_headers_complete()
         # The request's task is created above but has not run yet (call_soon), so the
         # extension is in place before the app sees the scope. An upgrade returns early
         # without a new cycle; the scope then belongs to the upgrade path: leave it.
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:
+            self._reading_body = True  # until on_message_complete, maybe in this same read
+            if self.scope["http_version"] == "1.0":
+                cycle.__class__ = _CloseDelimitedCycle  # same state, one method differs
             writer = BodyWriter(cycle)
             # ASGI types each extension's value as a dict; ours is an object with methods.
             extensions = cast("dict[str, object]", self.scope.setdefault("extensions", {}))
@@ -100,8 +329,116 @@ class KneegateHttpProtocol(HttpToolsProtocol):
             live.append(writer)
             self._writers = live
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        writers, self._writers = self._writers, None
-        for w in writers or ():
-            w._lost()
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._reading_body = False
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        self._head_room = self._limits.max_header_bytes  # what follows is the next head
+
+    # --- timers and refusals ----------------------------------------------------------
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._lingering or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # a pipelined head waits for the response before it: its clock starts later
+            self._head_timer = self.loop.call_later(
+                self._limits.header_timeout, self._head_timed_out)
+            return
+        # Nothing of a request at all: close without a word (nginx does too).
+        self._refuse("header_timeout", answer=self._head_room != self._limits.max_header_bytes)
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if not self._reading_body or self._lingering or self.transport.is_closing():
+            return
+        timeout, now = self._limits.body_timeout, self.loop.time()
+        if self.flow.read_paused:  # we stopped reading (the app has not taken the body yet)
+            self._body_seen = now
+        left = self._body_seen + timeout - now
+        if left > 0:
+            self._body_timer = self.loop.call_later(left, self._body_timed_out)
+            return
+        self._refuse("body_timeout")
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
+
+    def _refuse(self, reason: str, *, answer: bool = True) -> None:
+        """Count, answer (unless a response is under way) and close this connection."""
+        limits = self._limits
+        limits.refused(reason, _peer(self.client), self.loop.time())
+        self._cancel_timers()
+        self._reading_body = False
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            answer = answer and not cycle.response_started
+            # the app sees its client gone; its own sends are dropped from now on
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if not answer:
+            self.transport.close()
+            return
+        self.transport.write(limits.answers[reason])
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        # lingering close: FIN after the answer; read and drop what still comes, a while
+        self._lingering = True
+        self.transport.write_eof()
+        self.flow.resume_reading()
+        self.loop.call_later(LINGER, self.transport.close)
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "?"
+
+
+class _CloseDelimitedCycle(RequestResponseCycle):
+    """A request cycle for an HTTP/1.0 client: a body without Content-Length is sent
+    as it is and ends when the connection closes (RFC 9112 §6.3), never chunked.
+
+    uvicorn answers every request HTTP/1.1-style and adds chunked framing when the app
+    gives no Content-Length, which an HTTP/1.0 client cannot read. HTTP/1.0 requests are
+    never kept alive by uvicorn, so the close is due anyway.
+    """
+
+    _raw = False  # the response started without framing: bodies go out as they are
+
+    async def send(self, message: ASGISendEvent) -> None:
+        if not self.response_started:
+            if message["type"] == "http.response.start" and _unframed(
+                    message.get("headers", ()), message["status"], self.scope["method"]):
+                self._raw = True
+                self.chunked_encoding = False  # uvicorn then adds no transfer-encoding
+            await super().send(message)
+            return
+        if not self._raw or self.response_complete or message["type"] != "http.response.body":
+            await super().send(message)
+            return
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        body = message.get("body", b"")
+        if body:
+            self.transport.write(body)
+        if not message.get("more_body", False):
+            self.response_complete = True
+            self.message_event.set()
+            self.transport.close()  # the end of the body
+            self.on_response()
+
+
+def _unframed(headers: Any, status: int, method: str) -> bool:
+    """True when uvicorn would frame this response with chunked encoding."""
+    if method == "HEAD" or status in (204, 304):
+        return False
+    return not any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
