@@ -6,8 +6,11 @@
         ├── Rejection          admission said no; always carries Retry-After
         │   ├── QueueFull          429 queue_full
         │   ├── QueueTimeout       503 queue_timeout
-        │   └── NoUpstream         503 no_upstream
+        │   ├── NoUpstream         503 no_upstream
+        │   └── ShuttingDown       503 shutting_down: the gateway is draining
+        ├── InvalidPath        400: '%2F', '%5C' or '\\' in the path (ambiguous)
         ├── NotFound           404: not a proxied path (never an open proxy)
+        ├── MethodNotAllowed   405: a method the OpenAI API does not use (with Allow)
         ├── BodyTooLarge       413: over max_body_bytes
         ├── Unauthorized       401: admin endpoint without the right bearer token
         └── UpstreamError      502: the engine failed or broke off
@@ -31,12 +34,15 @@ __all__ = [
     "BodyTooLarge",
     "ConfigError",
     "HTTPError",
+    "InvalidPath",
     "KneegateError",
+    "MethodNotAllowed",
     "NoUpstream",
     "NotFound",
     "QueueFull",
     "QueueTimeout",
     "Rejection",
+    "ShuttingDown",
     "Unauthorized",
     "UpstreamConnectError",
     "UpstreamError",
@@ -104,8 +110,27 @@ class NoUpstream(Rejection):
     status, type, code, reason = 503, "server_error", "no_upstream", "no_upstream"
 
 
+class ShuttingDown(Rejection):
+    status, type, code, reason = 503, "server_error", "shutting_down", "shutting_down"
+
+
+class InvalidPath(HTTPError):
+    status, type, code = 400, "invalid_request_error", "invalid_path"
+
+
 class NotFound(HTTPError):
     status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class MethodNotAllowed(HTTPError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+    def __init__(self, message: str, allow: bytes) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def extra_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"allow", self.allow)]
 
 
 class BodyTooLarge(HTTPError):
