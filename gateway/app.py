@@ -224,14 +224,14 @@ class KneegateApp:
                 await self._unclean(scope, receive, send, raw)
                 return
             if raw.startswith(b"/v1/") or raw in PROXIED_EXACT:
-                await self._forward(scope, receive, send)
+                if scope["method"] in FORWARDED_METHODS:  # inline: no extra frame per request
+                    await self.proxy(scope, receive, send)
+                else:
+                    await self._not_allowed(scope, send)
                 return
         await self.own(scope, receive, send)
 
-    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] in FORWARDED_METHODS:
-            await self.proxy(scope, receive, send)
-            return
+    async def _not_allowed(self, scope: Scope, send: Send) -> None:
         await self._refuse(scope, send, MethodNotAllowed(
             f"method {scope['method']} is not allowed on {scope['path']}; "
             f"allowed: {ALLOW.decode()}", ALLOW))
@@ -247,7 +247,11 @@ class KneegateApp:
         if target is None:
             await self._refuse(scope, send, NotFound(_NOT_FOUND.format(scope["path"])))
             return
-        await self._forward({**scope, "raw_path": target}, receive, send)
+        scope = {**scope, "raw_path": target}  # what the proxy forwards (`_target`)
+        if scope["method"] in FORWARDED_METHODS:
+            await self.proxy(scope, receive, send)
+        else:
+            await self._not_allowed(scope, send)
 
     @staticmethod
     async def _refuse(scope: Scope, send: Send, exc: HTTPError) -> None:

@@ -35,6 +35,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
@@ -121,6 +122,9 @@ class GatewayServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only (as in uvicorn)
+            return
         handled = (signal.SIGINT, signal.SIGTERM)
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
         try:
@@ -262,6 +266,9 @@ def run(cfg: GatewayConfig, *, prepare: Prepare, config_path: str | None = None)
     engine_sock = None
     if not prepare(cfg).upstreams:
         engine_sock = bind("127.0.0.1", 0)
+        # listening from now on: a worker's first request waits in the backlog while the
+        # engine starts, instead of being refused (a 502, and the upstream marked failed)
+        engine_sock.listen(128)
         prepare = _then(prepare, embedded_upstream(engine_sock.getsockname()[1]))
         log.warning("no upstream configured: serving the built-in emulator (cpu-tiny) on %s",
                     engine_sock.getsockname())
