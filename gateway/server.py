@@ -178,7 +178,7 @@ async def running(
     finally:
         server.should_exit = True
         grace = server.config.timeout_graceful_shutdown or 0
-        async with asyncio.timeout(start_timeout + grace):  # uvicorn bounds its shutdown so
+        async with asyncio.timeout(start_timeout + grace):  # uvicorn's wait is bounded by it
             await task
         if own:
             sock.close()
