@@ -10,6 +10,7 @@ very code.
     pump(now)           -> tickets dispatched because a limit grew
     expire(now)         -> tickets whose class wait timeout passed (503 queue_timeout)
     withdraw(ticket)    -> remove one queued ticket (its waiter timed out first)
+    close()             -> shutting down: every queued ticket, removed; later offers refused
 
 Dispatch order: higher `priority` classes first, FIFO within a class. A request
 goes to the usable upstream with the most free room, measured as in-flight / limit.
@@ -46,6 +47,7 @@ class RejectReason(enum.Enum):
     QUEUE_FULL = "queue_full"  # 429: capacity exists, but not now
     QUEUE_TIMEOUT = "queue_timeout"  # 503: waited past the class's timeout
     NO_UPSTREAM = "no_upstream"  # 503: nothing usable to send to
+    SHUTTING_DOWN = "shutting_down"  # 503: the gateway is draining for shutdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,7 @@ class AdmissionQueue:
     _queues: dict[str, deque[Ticket]] = field(default_factory=dict, init=False)
     _order: list[str] = field(default_factory=list, init=False)
     _completions: _CompletionRate = field(default_factory=_CompletionRate, init=False)
+    closed: bool = field(default=False, init=False)  # shutting down: every offer is refused
 
     def __post_init__(self) -> None:
         self.reconfigure(self.classes, self.max_queue, self.upstreams)
@@ -222,6 +225,8 @@ class AdmissionQueue:
         cls = ticket.cls
         if cls not in self.classes:
             raise KeyError(f"unknown priority class {cls!r}")
+        if self.closed:
+            return self.shutdown_rejection()
         if not any(u.usable for u in self.upstreams):
             return Rejected(
                 RejectReason.NO_UPSTREAM,
@@ -296,6 +301,22 @@ class AdmissionQueue:
         except ValueError:
             return False
         return True
+
+    def close(self) -> list[Ticket]:
+        """Shutting down: remove and return every queued ticket; refuse every later offer."""
+        self.closed = True
+        out: list[Ticket] = []
+        for q in self._queues.values():
+            out.extend(q)
+            q.clear()
+        return out
+
+    def shutdown_rejection(self) -> Rejected:
+        return Rejected(
+            RejectReason.SHUTTING_DOWN,
+            self.retry_after_min,
+            "kneegate is shutting down; retry (another replica can take the request)",
+        )
 
     def timeout_rejection(self, ticket: Ticket) -> Rejected:
         policy = self.classes.get(ticket.cls)

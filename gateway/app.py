@@ -2,14 +2,18 @@
 
     build_app(config) -> KneegateApp        # serve it with uvicorn (uvloop + httptools)
 
-Dispatch is one string test per request: `/v1/*`, `/tokenize`, `/detokenize` and
-`/version` go straight to `Proxy` as pure ASGI; everything else goes to Starlette, which
-serves `/health`, `/ready`, `/metrics`, `/kneegate/status`, `POST /kneegate/reload` and
-answers 404 (OpenAI-style body) for any other path: never an open proxy.
+Dispatch is a few byte tests per request: `/v1/*`, `/tokenize`, `/detokenize` and
+`/version` go straight to `Proxy` as pure ASGI (methods other than GET, POST, DELETE,
+HEAD and OPTIONS get 405); everything else goes to Starlette, which serves `/health`,
+`/ready`, `/metrics`, `/kneegate/status`, `POST /kneegate/reload` and answers 404
+(OpenAI-style body) for any other path: never an open proxy. A raw path that could hide
+a dot segment ('%', '/.' or '\\' in it) is normalised first (`proxy.proxied_path`): it is
+forwarded in its normalised form if that is a proxied path, else answered 404 (400 for
+an encoded '/' or '\\'), and never reaches the gateway's own endpoints.
 
-`Gateway` is the process's runtime: pool, queue, gate, client, metrics, the tick task, and
+`Gateway` is the process's runtime: pool, queue, gate, client, metrics, the tick task,
 `apply(config)` which swaps limits, timeouts, classes and upstreams in place without
-touching requests in flight.
+touching requests in flight, and `drain()`, the first step of a graceful shutdown.
 """
 
 from __future__ import annotations
@@ -32,10 +36,26 @@ from starlette.routing import Route
 
 from gateway.admission import AdmissionQueue, ClassPolicy
 from gateway.config import GatewayConfig, parse_reload, read_config
-from gateway.errors import ConfigError, HTTPError, NotFound, Unauthorized, render
+from gateway.errors import (
+    ConfigError,
+    HTTPError,
+    InvalidPath,
+    MethodNotAllowed,
+    NotFound,
+    Unauthorized,
+    render,
+    send_error,
+)
 from gateway.gate import Gate
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import Proxy, ProxySettings
+from gateway.proxy import (
+    ALLOW,
+    FORWARDED_METHODS,
+    PROXIED_EXACT,
+    Proxy,
+    ProxySettings,
+    proxied_path,
+)
 from gateway.types import Clock, Receive, Scope, Send
 from gateway.upstream_client import UpstreamClient
 from gateway.upstreams import UpstreamPool
@@ -44,7 +64,8 @@ __all__ = ["Gateway", "KneegateApp", "build_app"]
 
 log = logging.getLogger("kneegate")
 
-PROXIED_EXACT = frozenset({"/tokenize", "/detokenize", "/version"})
+_NOT_FOUND = ("no route for {}; kneegate proxies /v1/*, /tokenize, /detokenize and "
+              "/version")
 
 # Turns a freshly loaded file into what this process runs (CLI flags, the embedded
 # upstream, this worker's share); applied on every reload too.
@@ -86,6 +107,8 @@ class Gateway:
         self.metrics.bind_live(self.pool.all, self._depths, clock)
         self._ticker: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.draining = False
+        self._cut_timer: asyncio.TimerHandle | None = None
 
     def _depths(self) -> list[tuple[str, int]]:
         return [(name, self.gate.depth(name)) for name in self.config.classes]
@@ -94,7 +117,29 @@ class Gateway:
         await self.client.start()
         self._ticker = asyncio.create_task(self._tick_loop())
 
+    def drain(self) -> None:
+        """Begin a graceful shutdown (the server calls this on SIGTERM/SIGINT, before it
+        stops accepting): /ready answers 503; queued and later requests get 503
+        shutting_down with Retry-After; requests in flight run on for
+        `server.shutdown_grace` seconds, then are cut (`Proxy.cut`). Idempotent."""
+        if self.draining:
+            return
+        self.draining = True
+        refused = self.gate.close()
+        grace = self.config.server.shutdown_grace
+        log.warning("shutting down: %d queued request(s) refused, %d in flight get %gs to "
+                    "finish", refused, len(self.proxy.active), grace)
+        self._cut_timer = asyncio.get_running_loop().call_later(grace, self._cut)
+
+    def _cut(self) -> None:
+        cut = self.proxy.cut()
+        if cut:
+            log.warning("shutdown grace of %gs is over: cut %d request(s) still in flight "
+                        "(counted as client_cancelled)", self.config.server.shutdown_grace, cut)
+
     async def stop(self) -> None:
+        if self._cut_timer is not None:
+            self._cut_timer.cancel()
         tasks = [t for t in (self._ticker, *self._background) if t is not None]
         for t in tasks:
             t.cancel()
@@ -192,11 +237,47 @@ class KneegateApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            path: str = scope["path"]
-            if path.startswith("/v1/") or path in PROXIED_EXACT:
-                await self.proxy(scope, receive, send)
+            raw: bytes = scope.get("raw_path") or scope["path"].encode()
+            if b"%" in raw or b"/." in raw or b"\\" in raw:  # rare: normalise first
+                await self._unclean(scope, receive, send, raw)
+                return
+            if raw.startswith(b"/v1/") or raw in PROXIED_EXACT:
+                if scope["method"] in FORWARDED_METHODS:  # inline: no extra frame per request
+                    await self.proxy(scope, receive, send)
+                else:
+                    await self._not_allowed(scope, send)
                 return
         await self.own(scope, receive, send)
+
+    async def _not_allowed(self, scope: Scope, send: Send) -> None:
+        await self._refuse(scope, send, MethodNotAllowed(
+            f"method {scope['method']} is not allowed on {scope['path']}; "
+            f"allowed: {ALLOW.decode()}", ALLOW))
+
+    async def _unclean(self, scope: Scope, receive: Receive, send: Send, raw: bytes) -> None:
+        # forwarded in normalised form, or refused: an unclean path never reaches the
+        # gateway's own endpoints (and so never the admin ones)
+        try:
+            target = proxied_path(raw)
+        except InvalidPath as exc:
+            await self._refuse(scope, send, exc)
+            return
+        if target is None:
+            await self._refuse(scope, send, NotFound(_NOT_FOUND.format(scope["path"])))
+            return
+        scope = {**scope, "raw_path": target}  # what the proxy forwards (`_target`)
+        if scope["method"] in FORWARDED_METHODS:
+            await self.proxy(scope, receive, send)
+        else:
+            await self._not_allowed(scope, send)
+
+    @staticmethod
+    async def _refuse(scope: Scope, send: Send, exc: HTTPError) -> None:
+        # refused before admission: not counted in the request outcomes, logged at info
+        # (raw_path as sent, repr'd and cut short: it is the attacker's text)
+        raw = scope.get("raw_path") or b""
+        log.info("refused %s %r: %d %s", scope["method"], raw[:200], exc.status, exc.code)
+        await send_error(send, exc)
 
 
 def _json_safe(obj: Any) -> Any:
@@ -230,6 +311,8 @@ def _own_endpoints(gw: Gateway) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
+        if gw.draining:
+            return JSONResponse({"ready": False, "draining": True, "usable": []}, 503)
         usable = [u.name for u in gw.pool.active if u.usable]
         return JSONResponse({"ready": bool(usable), "usable": usable}, 200 if usable else 503)
 
@@ -249,11 +332,14 @@ def _own_endpoints(gw: Gateway) -> Starlette:
         return _error_response(Unauthorized("admin endpoint: send 'Authorization: Bearer <token>'"))
 
     async def not_found(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, HTTPException) and exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            return _error_response(MethodNotAllowed(
+                f"method {request.method} is not allowed on {request.url.path}; "
+                f"allowed: {allow}", allow.encode()))
         if isinstance(exc, HTTPException) and exc.status_code != 404:
             return Response(exc.detail, exc.status_code)
-        return _error_response(NotFound(
-            f"no route for {request.url.path}; kneegate proxies /v1/*, /tokenize, "
-            "/detokenize and /version"))
+        return _error_response(NotFound(_NOT_FOUND.format(request.url.path)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -209,6 +209,10 @@ class ServerConfig(_Frozen):
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 in a container")
     port: int = Field(8080, ge=0, le=65535, description="0 picks a free port")
     workers: int = Field(1, ge=1, le=64, description="processes sharing the port")
+    shutdown_grace: float = Field(
+        30.0, ge=0, le=3600,
+        description="on SIGTERM/SIGINT, seconds streams in flight may run on before they are "
+        "cut (queued requests get 503 at once); keep it under the orchestrator's kill timeout")
 
 
 class GatewayConfig(_Frozen):

@@ -7,8 +7,11 @@
         │   ├── QueueFull          429 queue_full
         │   ├── QueueTimeout       503 queue_timeout
         │   ├── NoUpstream         503 no_upstream
-        │   └── TooManyConnections 503 too_many_connections: over limits.max_connections
+        │   ├── TooManyConnections 503 too_many_connections: over limits.max_connections
+        │   └── ShuttingDown       503 shutting_down: the gateway is draining
+        ├── InvalidPath        400: '%2F', '%5C' or '\\' in the path (ambiguous)
         ├── NotFound           404: not a proxied path (never an open proxy)
+        ├── MethodNotAllowed   405: a method the OpenAI API does not use (with Allow)
         ├── BodyTooLarge       413: over max_body_bytes (closes the connection)
         ├── HeadersTooLarge    431: request head over limits.max_header_bytes / max_headers
         ├── RequestTimeout     408: request head or body slower than limits.*_timeout
@@ -35,13 +38,16 @@ __all__ = [
     "ConfigError",
     "HTTPError",
     "HeadersTooLarge",
+    "InvalidPath",
     "KneegateError",
+    "MethodNotAllowed",
     "NoUpstream",
     "NotFound",
     "QueueFull",
     "QueueTimeout",
     "Rejection",
     "RequestTimeout",
+    "ShuttingDown",
     "TooManyConnections",
     "Unauthorized",
     "UpstreamConnectError",
@@ -114,8 +120,27 @@ class TooManyConnections(Rejection):
     status, type, code, reason = 503, "server_error", "too_many_connections", "connection_limit"
 
 
+class ShuttingDown(Rejection):
+    status, type, code, reason = 503, "server_error", "shutting_down", "shutting_down"
+
+
+class InvalidPath(HTTPError):
+    status, type, code = 400, "invalid_request_error", "invalid_path"
+
+
 class NotFound(HTTPError):
     status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class MethodNotAllowed(HTTPError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+    def __init__(self, message: str, allow: bytes) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def extra_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"allow", self.allow)]
 
 
 class BodyTooLarge(HTTPError):

@@ -28,7 +28,7 @@ from gateway.admission import (
     RejectReason,
     Ticket,
 )
-from gateway.errors import NoUpstream, QueueFull, QueueTimeout, Rejection
+from gateway.errors import NoUpstream, QueueFull, QueueTimeout, Rejection, ShuttingDown
 from gateway.metrics import GatewayMetrics
 from gateway.types import Clock
 from gateway.upstreams import Upstream
@@ -41,6 +41,7 @@ _REJECTIONS: dict[RejectReason, type[Rejection]] = {
     RejectReason.QUEUE_FULL: QueueFull,
     RejectReason.QUEUE_TIMEOUT: QueueTimeout,
     RejectReason.NO_UPSTREAM: NoUpstream,
+    RejectReason.SHUTTING_DOWN: ShuttingDown,
 }
 
 
@@ -214,6 +215,19 @@ class Gate:
             fut: asyncio.Future[Rejected | None] = t.payload
             if not fut.done():
                 fut.set_result(self.queue.timeout_rejection(t))
+
+    def close(self) -> int:
+        """Shutting down: refuse every queued request (503 shutting_down, counted as shed)
+        and every later one. Returns how many were queued."""
+        tickets = self.queue.close()
+        for t in tickets:
+            self.metrics.shed.labels(t.cls, RejectReason.SHUTTING_DOWN.value).inc()
+            fut: asyncio.Future[Rejected | None] = t.payload
+            # a done future: its waiter was cancelled, and its _abandon finds nothing to
+            # withdraw, so this count is the only one
+            if not fut.done():
+                fut.set_result(self.queue.shutdown_rejection())
+        return len(tickets)
 
     def pump(self) -> None:
         """Dispatch queued tickets after limits or upstream health changed."""

@@ -5,8 +5,8 @@ Counting is arranged so that nothing is lost without a count. At every scrape:
     received = admitted + shed + queue_timeout + queue_depth
     admitted = completed + upstream_error + client_cancelled + client_stalled + in_flight
 
-(`shed` has reasons queue_full, no_upstream and client_gone — the caller left while
-queued; `upstream_error` covers errors, timeouts and engine overload, detailed in
+(`shed` has reasons queue_full, no_upstream, shutting_down and client_gone — the caller
+left while queued; `upstream_error` covers errors, timeouts and engine overload, detailed in
 `kneegate_upstream_failures_total`). Each counter moves in the same synchronous step as
 the state it counts, so the identities hold exactly whenever the event loop can answer a
 scrape; with nothing queued or in flight they are the bare identities of DESIGN.md.

@@ -13,17 +13,23 @@ One request, in order:
    happen), then close the upstream connection unless it ended cleanly, which is what makes
    the engine abort a request whose caller went away.
 
-Two things end an exchange from outside, both by cancelling its task with a reason: the
+Three things end an exchange from outside, all by cancelling its task with a reason: the
 client leaving (the body writer's `on_disconnect` callback under kneegate's server; on any
 other ASGI server a watcher task blocked on `receive()`, which only returns again when the
-client leaves) and the sweeper the tick runs, which enforces the first-byte and idle
-deadlines by comparing chunk counters — no timer per chunk.
+client leaves), the sweeper the tick runs, which enforces the first-byte and idle
+deadlines by comparing chunk counters — no timer per chunk — and `cut`, when the shutdown
+grace is over.
+
+What is forwarded: `proxied_path` decides from the raw request path, normalised first
+when it could hide a dot segment (RFC 3986), so the allow-list judges the path the engine
+will route; `FORWARDED_METHODS` are the methods the OpenAI API uses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -32,7 +38,10 @@ from controllers.base import Outcome, Sample
 from gateway.config import GatewayConfig
 from gateway.errors import (
     BodyTooLarge,
+    HTTPError,
+    InvalidPath,
     Rejection,
+    ShuttingDown,
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeout,
@@ -46,7 +55,17 @@ from gateway.upstreams import UpstreamPool
 from gateway.wire import EXTENSION as WIRE_EXTENSION
 from gateway.wire import BodyWriter
 
-__all__ = ["Exchange", "Proxy", "ProxySettings"]
+__all__ = [
+    "ALLOW", "FORWARDED_METHODS", "Exchange", "Proxy", "ProxySettings", "normalise_path",
+    "proxied_path",
+]
+
+# The methods of the OpenAI API, and what a proxy forwards for them (HEAD, OPTIONS).
+# CONNECT, TRACE, PUT, PATCH, ... get 405: never a tunnel, never an echo.
+FORWARDED_METHODS = frozenset({"GET", "POST", "DELETE", "HEAD", "OPTIONS"})
+ALLOW = b"GET, POST, DELETE, HEAD, OPTIONS"
+PROXIED_EXACT = frozenset({b"/tokenize", b"/detokenize", b"/version"})
+_DOT = re.compile(rb"%2[eE]")
 
 # RFC 9110 §7.6.1 connection-specific fields, plus what the client library recomputes.
 HOP_BY_HOP = frozenset({
@@ -118,6 +137,51 @@ class Exchange:
             self.task.cancel()
 
 
+def proxied_path(raw: bytes) -> bytes | None:
+    """The path to forward for a request's raw path, or None when it is not proxied.
+
+    Proxied: `/v1/*` and `PROXIED_EXACT`. A clean path (no '%', '/.' or '\\': nearly every
+    request) is judged as it is; any other is normalised first (`normalise_path`), and the
+    normalised path is what is judged and forwarded. Raises InvalidPath.
+    """
+    if b"%" in raw or b"/." in raw or b"\\" in raw:
+        raw = normalise_path(raw)
+    if raw.startswith(b"/v1/") or raw in PROXIED_EXACT:
+        return raw
+    return None
+
+
+def normalise_path(raw: bytes) -> bytes:
+    """`raw` with %2E decoded and dot segments removed (RFC 3986 §6.2.2.2, §5.2.4).
+
+    Other escapes stay as sent: decoding %65 could complete a new escape ('%2%65' is
+    '%2e' for an engine that decodes once). After this no segment of the path decodes to
+    '.' or '..' for the engine. An encoded '/' or '\\' and a bare '\\' raise InvalidPath:
+    servers disagree on whether they separate segments (Envoy rejects them the same way).
+    """
+    low = raw.lower()
+    if b"%2f" in low or b"%5c" in low or b"\\" in raw:
+        raise InvalidPath("the path contains an encoded '/' or a '\\'; send it unencoded")
+    return remove_dot_segments(_DOT.sub(b".", raw))
+
+
+def remove_dot_segments(path: bytes) -> bytes:
+    """RFC 3986 §5.2.4 for an absolute path: '/a/./b/../c' -> '/a/c', '/..' -> '/'."""
+    if not path.startswith(b"/"):
+        return path  # '*' or an absolute URI: never proxied anyway
+    segments = path.split(b"/")[1:]
+    out: list[bytes] = []
+    for seg in segments:
+        if seg == b"..":
+            if out:
+                out.pop()
+        elif seg != b".":
+            out.append(seg)
+    # a path ending in '.' or '..' names a directory: it keeps its trailing '/'
+    tail = b"/" if segments[-1] in (b".", b"..") and out else b""
+    return b"/" + b"/".join(out) + tail
+
+
 async def read_body(receive: Receive, limit: int) -> bytes | None:
     """The whole request body, or None when the client left first."""
     chunks: list[bytes] = []
@@ -159,6 +223,7 @@ class Proxy:
         self.settings, self.gate, self.pool, self.client = settings, gate, pool, client
         self.clock = clock
         self.active: set[Exchange] = set()
+        self.cut_off: set[Exchange] = set()  # cut by `cut` (shutdown), answered 503 if unstarted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         s = self.settings
@@ -192,15 +257,33 @@ class Proxy:
             if ex.aborted is None:
                 raise
             task.uncancel()
-            if ex.aborted is Outcome.TIMEOUT and not ex.started:
-                await send_error(send, UpstreamTimeout(
-                    f"upstream sent nothing within {s.first_byte:g}s; retry later"),
-                    [(b"x-request-id", rid)])
+            error = None if ex.started else self._abort_error(ex, s)
+            if error is not None:
+                await send_error(send, error, [(b"x-request-id", rid)])
         finally:
             if watcher is not None:
                 watcher.cancel()
             elif writer is not None:
                 writer.on_disconnect = None
+
+    def _abort_error(self, ex: Exchange, s: ProxySettings) -> HTTPError | None:
+        # what the client hears of an abort before the response started (if still there)
+        if ex.aborted is Outcome.TIMEOUT:
+            return UpstreamTimeout(f"upstream sent nothing within {s.first_byte:g}s; retry later")
+        if ex in self.cut_off:
+            return ShuttingDown("kneegate shut down before the engine answered; retry",
+                                self.gate.queue.retry_after_min)
+        return None
+
+    def cut(self) -> int:
+        """Abort every exchange in flight (the shutdown grace is over): counted as
+        client_cancelled (the engine is not to blame: no sample), the upstream request
+        closed; an unstarted response is answered 503 shutting_down. Returns how many."""
+        cut = [ex for ex in self.active if ex.aborted is None and not ex.finished]
+        for ex in cut:
+            self.cut_off.add(ex)
+            ex.abort(Outcome.CLIENT_CANCELLED)
+        return len(cut)
 
     def _forward_headers(
         self, scope: Scope, s: ProxySettings

@@ -4,12 +4,23 @@
 with one worker it serves here (so the process you start is the one doing the work), with
 N it forks N children that all accept on the same socket, each with its own admission
 state and its share of fixed limits (`config.split_for_worker`). SIGHUP re-reads the
-config file in every worker (the parent forwards it); SIGINT/SIGTERM stop gracefully.
+config file in every worker (the parent forwards it).
+
+Shutdown (SIGINT/SIGTERM, Ctrl-C): `GatewayServer` drains the gateway first
+(`Gateway.drain`: /ready 503, queued requests 503 shutting_down), then uvicorn stops
+accepting and closes idle connections, streams in flight run on for
+`server.shutdown_grace` seconds and are cut after it; the worker exits 0. With N workers
+the parent forwards each signal once: the workers sit in their own process group, so a
+terminal's Ctrl-C reaches them only through the parent (it used to arrive twice — the
+terminal's and the forwarded one — which uvicorn reads as "force quit" and cut every
+stream at once). A second Ctrl-C still forces quit. The parent kills workers still alive
+10 s after the grace.
 
 The embedded engine: when the config names no upstream, `run` serves the emulator
 (`benchmarks.engine.server.build_app("cpu-tiny")`, imported here, lazily) on a loopback
-port — in this process and event loop with one worker, in one extra process with more —
-and `prepare` points an upstream called `embedded` at it.
+port — in this process and event loop with one worker, in one extra process with more,
+which ignores SIGHUP and SIGINT and is stopped by the parent after the workers — and
+`prepare` points an upstream called `embedded` at it.
 """
 
 from __future__ import annotations
@@ -18,11 +29,16 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import uvicorn
@@ -31,11 +47,21 @@ from gateway.app import KneegateApp, build_app
 from gateway.config import GatewayConfig, LimitsConfig, split_for_worker
 from gateway.wire import ClientLimits, KneegateHttpProtocol, WireConfig
 
-__all__ = ["QuietServer", "bind", "embedded_upstream", "run", "serving", "uvicorn_config"]
+__all__ = [
+    "GatewayServer", "QuietServer", "bind", "embedded_upstream", "run", "running", "serving",
+    "uvicorn_config",
+]
 
 log = logging.getLogger("kneegate")
 
 Prepare = Callable[[GatewayConfig], GatewayConfig]
+
+# uvicorn's own wait outlasts the grace by this much, so the gateway's cut (a clean abort,
+# counted) comes first and uvicorn's cancellation (a traceback per task) only catches
+# what is not a proxied request
+CUT_MARGIN = 1.0
+# the parent kills workers still alive this long after the grace
+KILL_AFTER = 10.0
 
 
 def uvicorn_config(
@@ -80,7 +106,43 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class QuietServer(uvicorn.Server):
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, draining a kneegate app on shutdown, exiting 0 after a signal.
+
+    Serving a `KneegateApp`, its shutdown first calls `Gateway.drain()` and waits for
+    connections up to the app's `server.shutdown_grace` (plus `CUT_MARGIN`) instead of
+    uvicorn's `timeout_graceful_shutdown`. Unlike uvicorn it does not re-raise the signal
+    once shut down: a drained worker exits 0, not by SIGTERM or a KeyboardInterrupt.
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        app = config.app
+        self.gateway = app.gateway if isinstance(app, KneegateApp) else None
+        if self.gateway is not None:
+            grace = self.gateway.config.server.shutdown_grace
+            config.timeout_graceful_shutdown = math.ceil(grace + CUT_MARGIN)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.gateway is not None:
+            self.gateway.drain()
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only (as in uvicorn)
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class QuietServer(GatewayServer):
     """A server that leaves signal handling to its host (a second server, the demo)."""
 
     @contextlib.contextmanager
@@ -95,13 +157,24 @@ async def serving(
 ) -> AsyncIterator[str]:
     """Serve `app` in this event loop (loopback, a free port unless `sock` is given).
 
-    Yields the base URL once uvicorn is accepting; stops it on exit. The demo and the
-    tests run the gateway and the emulator side by side this way.
+    Yields the base URL once uvicorn is accepting; stops it on exit (a kneegate app
+    drains first). The demo and the tests run the gateway and the emulator side by side
+    this way.
     """
+    server = QuietServer(uvicorn_config(app, log_level=log_level, http=http))
+    async with running(server, sock, start_timeout=start_timeout) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def running(
+    server: uvicorn.Server, sock: socket.socket | None = None, *, start_timeout: float = 10.0,
+) -> AsyncIterator[str]:
+    """`serving` for a server built by the caller, who may set `server.should_exit` to
+    begin its shutdown early (the shutdown tests do); exit waits for it, bounded."""
     own = sock is None
     sock = sock or bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = QuietServer(uvicorn_config(app, log_level=log_level, http=http))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(start_timeout):
@@ -112,7 +185,8 @@ async def serving(
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        async with asyncio.timeout(start_timeout + 25):  # graceful shutdown is bounded at 25
+        grace = server.config.timeout_graceful_shutdown or 0
+        async with asyncio.timeout(start_timeout + grace):  # uvicorn's wait is bounded by it
             await task
         if own:
             sock.close()
@@ -149,7 +223,7 @@ async def _serve_worker(
         engine = QuietServer(uvicorn_config(_emulator_app()))
         engine_task = asyncio.create_task(engine.serve(sockets=[engine_sock]))
     app = build_app(prepare(cfg), config_path=config_path, prepare=prepare)
-    server = uvicorn.Server(uvicorn_config(app, log_level="info"))
+    server = GatewayServer(uvicorn_config(app, log_level="info"))
     # start-up objects (modules, config, app) never die: keep them out of every later
     # full collection, which otherwise pauses the relay for milliseconds
     gc.collect()
@@ -166,17 +240,31 @@ async def _serve_worker(
 
 def _worker_main(
     sock: socket.socket, cfg: GatewayConfig, prepare: Prepare, config_path: str | None,
-    engine_sock: socket.socket | None,
+    engine_sock: socket.socket | None, own_group: bool = False,
 ) -> None:
     import uvloop
 
+    if own_group:  # signals come from the parent only (see the module docstring)
+        os.setpgid(0, 0)
     uvloop.run(_serve_worker(sock, cfg, prepare, config_path, engine_sock))
 
 
-def _engine_main(sock: socket.socket) -> None:
+def _engine_main(sock: socket.socket, inherited: socket.socket) -> None:
     import uvloop
 
-    uvloop.run(uvicorn.Server(uvicorn_config(_emulator_app())).serve(sockets=[sock]))
+    inherited.close()  # the gateway's listener: only the workers accept on it
+    # SIGHUP (a reload, or a terminal's hang-up) and Ctrl-C are the workers' business:
+    # the engine must outlive their drain. The parent stops it with SIGTERM afterwards.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    server = QuietServer(uvicorn_config(_emulator_app()))
+
+    async def serve() -> None:
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGTERM, setattr, server, "should_exit", True)
+        await server.serve(sockets=[sock])
+
+    uvloop.run(serve())
 
 
 def run(cfg: GatewayConfig, *, prepare: Prepare, config_path: str | None = None) -> int:
@@ -186,6 +274,9 @@ def run(cfg: GatewayConfig, *, prepare: Prepare, config_path: str | None = None)
     engine_sock = None
     if not prepare(cfg).upstreams:
         engine_sock = bind("127.0.0.1", 0)
+        # listening from now on: a worker's first request waits in the backlog while the
+        # engine starts, instead of being refused (a 502, and the upstream marked failed)
+        engine_sock.listen(128)
         prepare = _then(prepare, embedded_upstream(engine_sock.getsockname()[1]))
         log.warning("no upstream configured: serving the built-in emulator (cpu-tiny) on %s",
                     engine_sock.getsockname())
@@ -211,28 +302,51 @@ def _supervise(
     engine_sock: socket.socket | None, workers: int,
 ) -> int:
     ctx = multiprocessing.get_context("fork")
-    procs = []
+    engine = None
     if engine_sock is not None:
-        procs.append(ctx.Process(target=_engine_main, args=(engine_sock,), daemon=True))
+        engine = ctx.Process(target=_engine_main, args=(engine_sock, sock), daemon=True)
+        engine.start()
+        engine_sock.close()  # forked before the workers, so they never hold the engine's port
+    procs = []
     for i in range(workers):
         # the share is computed from each freshly loaded file, on reload too
         share = _then(prepare, _share(i, workers))
-        procs.append(ctx.Process(target=_worker_main, args=(sock, cfg, share, config_path, None),
-                                 daemon=True))
+        procs.append(ctx.Process(target=_worker_main,
+                                 args=(sock, cfg, share, config_path, None, True), daemon=True))
     for p in procs:
         p.start()
+    sock.close()  # the workers hold it: once they all closed it, new connections are refused
+    stopping: list[float] = []  # when the first SIGINT/SIGTERM came
 
     def forward(sig: int, _frame: object) -> None:
+        if sig != signal.SIGHUP and not stopping:
+            stopping.append(time.monotonic())
         for p in procs:
             if p.pid is not None and p.is_alive():
                 os.kill(p.pid, sig)
 
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
-    for p in procs[1:] if engine_sock is not None else procs:
-        p.join()
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
+    _join(procs, stopping, cfg.server.shutdown_grace + CUT_MARGIN + KILL_AFTER)
+    if engine is not None:
+        engine.terminate()
+        engine.join(KILL_AFTER)
+        if engine.is_alive():
+            engine.kill()
+            engine.join()
+        procs.append(engine)
     return 0 if all(p.exitcode in (0, -signal.SIGTERM) for p in procs) else 1
+
+
+def _join(procs: Sequence[BaseProcess], stopping: list[float], patience: float) -> None:
+    """Wait for every worker to exit; kill those still alive `patience` seconds after the
+    shutdown began (`stopping` gets its time when it does)."""
+    while alive := [p for p in procs if p.is_alive()]:
+        if stopping and time.monotonic() - stopping[0] > patience:
+            log.error("%d worker(s) still running %gs after shutdown began: killing them",
+                      len(alive), patience)
+            for p in alive:
+                p.kill()
+                p.join(KILL_AFTER)
+            return
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.5)

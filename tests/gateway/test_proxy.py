@@ -81,12 +81,12 @@ async def test_non_streamed_body_and_usage(rig: Rig) -> None:
 async def test_request_is_forwarded_faithfully(rig: Rig) -> None:
     body = b'{"max_tokens": 1,   "odd spacing": true}'
     r = await rig.client.post(
-        rig.gw + "/v1/a%2Fb/completions?x=1&y=%20", content=body,
+        rig.gw + "/v1/a%20b/completions?x=1&y=%20", content=body,
         headers={"x-request-id": "abc-123", "x-forwarded-for": "10.1.1.1", "te": "trailers",
                  "connection": "keep-alive", "x-custom": "kept", "content-type": "app/json"})
     assert r.headers["x-request-id"] == "abc-123"
     h = rig.engine.last_headers
-    assert rig.engine.last_path == "/v1/a%2Fb/completions?x=1&y=%20"
+    assert rig.engine.last_path == "/v1/a%20b/completions?x=1&y=%20"
     assert rig.engine.last_body == body
     assert h["x-request-id"] == "abc-123"
     assert h["x-forwarded-for"] == "10.1.1.1, 127.0.0.1"
