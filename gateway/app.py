@@ -92,6 +92,7 @@ class Gateway:
 
     async def start(self) -> None:
         await self.client.start()
+        await self.pool.first_contact(self.client)  # so /ready knows who answers
         self._ticker = asyncio.create_task(self._tick_loop())
 
     async def stop(self) -> None:
@@ -210,7 +211,8 @@ def _own_endpoints(gw: Gateway) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        usable = [u.name for u in gw.pool.active if u.usable]
+        # usable and confirmed: an upstream never contacted is not known to work
+        usable = [u.name for u in gw.pool.active if u.usable and u.confirmed]
         return JSONResponse({"ready": bool(usable), "usable": usable}, 200 if usable else 503)
 
     async def metrics(request: Request) -> Response:

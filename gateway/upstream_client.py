@@ -480,8 +480,9 @@ class UpstreamClient:
             raise
         return UpstreamResponse(conn)
 
-    async def get_text(self, url: str, timeout: float) -> tuple[int, str]:
-        """A small GET for health probes and metric scrapes."""
+    async def get_text(self, url: str, timeout: float, max_bytes: int = 8 << 20
+                       ) -> tuple[int, str]:
+        """A small GET for health probes and metric scrapes; at most `max_bytes` of body."""
         try:
             async with asyncio.timeout(timeout):
                 parts = urlsplit(url)
@@ -490,9 +491,20 @@ class UpstreamClient:
                 resp = await self.open("GET", base, target.encode(), [(b"accept", b"*/*")], b"")
                 try:
                     with upstream_errors(url):
-                        body = await resp.read_all()
+                        body = await _read_at_most(resp, max_bytes, url)
                 finally:
                     resp.release()
         except TimeoutError as exc:
             raise UpstreamTimeout(f"GET {url} took longer than {timeout:g}s", "timed out") from exc
         return resp.status, body.decode("utf-8", "replace")
+
+
+async def _read_at_most(resp: UpstreamResponse, limit: int, url: str) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await resp.read():
+        size += len(chunk)
+        if size > limit:  # release() then closes the connection: the body is unfinished
+            raise UpstreamError(f"GET {url}: body over {limit} bytes", "response too large")
+        parts.append(chunk)
+    return b"".join(parts)
