@@ -207,8 +207,10 @@ async def _read_request(reader: asyncio.StreamReader) -> str:
 
 def _reset(w: asyncio.StreamWriter) -> None:
     """Close with an RST, not a FIN (SO_LINGER 0), as a crashed process's kernel would."""
+    if w.transport.is_closing():
+        return
     sock = w.get_extra_info("socket")
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ValueError):  # ValueError: uvloop, already closed
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     w.transport.abort()
