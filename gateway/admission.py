@@ -11,6 +11,8 @@ very code.
     expire(now)         -> tickets whose class wait timeout passed (503 queue_timeout)
     withdraw(ticket)    -> remove one queued ticket (its waiter timed out first)
     close()             -> shutting down: every queued ticket, removed; later offers refused
+    reroute(ticket, now)-> another upstream for a dispatched ticket whose upstream could not
+                           be reached (its slot freed, no completion counted), or None
 
 Dispatch order: higher `priority` classes first, FIFO within a class. A request
 goes to the usable upstream with the most free room, measured as in-flight / limit.
@@ -317,6 +319,27 @@ class AdmissionQueue:
             self.retry_after_min,
             "kneegate is shutting down; retry (another replica can take the request)",
         )
+
+    def reroute(self, ticket: Ticket, now: float) -> UpstreamState | None:
+        """Move a dispatched ticket whose upstream could not be reached to another upstream
+        with room, or return None (the ticket keeps its slot, released as usual).
+
+        The failed upstream's slot is freed without counting a completion (nothing was
+        served); the ticket is dispatched afresh (`dispatched_at`, `inflight_at_admit`).
+        Call it after marking the failed upstream unusable, then `pump`: its freed slot
+        may let a queued ticket go elsewhere only through another upstream's room."""
+        old = ticket.upstream
+        assert old is not None, "only a dispatched ticket can be rerouted"
+        best: UpstreamState | None = None
+        for u in self.upstreams:
+            if u is not old and u.has_room_for(ticket.tokens) and (
+                    best is None or u.fullness < best.fullness):
+                best = u
+        if best is None:
+            return None
+        self.free(old, ticket.tokens)
+        self._dispatch(ticket, best, now)
+        return best
 
     def timeout_rejection(self, ticket: Ticket) -> Rejected:
         policy = self.classes.get(ticket.cls)

@@ -115,6 +115,7 @@ class Gateway:
 
     async def start(self) -> None:
         await self.client.start()
+        await self.pool.first_contact(self.client)  # so /ready knows who answers
         self._ticker = asyncio.create_task(self._tick_loop())
 
     def drain(self) -> None:
@@ -313,7 +314,8 @@ def _own_endpoints(gw: Gateway) -> Starlette:
     async def ready(request: Request) -> Response:
         if gw.draining:
             return JSONResponse({"ready": False, "draining": True, "usable": []}, 503)
-        usable = [u.name for u in gw.pool.active if u.usable]
+        # usable and confirmed: an upstream never contacted is not known to work
+        usable = [u.name for u in gw.pool.active if u.usable and u.confirmed]
         return JSONResponse({"ready": bool(usable), "usable": usable}, 200 if usable else 503)
 
     async def metrics(request: Request) -> Response:

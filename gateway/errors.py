@@ -18,11 +18,16 @@
         ├── Unauthorized       401: admin endpoint without the right bearer token
         └── UpstreamError      502: the engine failed or broke off
             ├── UpstreamConnectError  502: could not connect (marks the upstream unusable)
-            └── UpstreamTimeout       504: connect / first byte / idle timeout
+            └── UpstreamTimeout       504: first byte / idle timeout
+                └── UpstreamConnectTimeout  504: connect timed out (marks it unusable too)
 
 `render(exc)` is the single translation to the wire: status, headers (Retry-After and
 `X-Kneegate-Reject-Reason` for rejections) and the body
 `{"error": {"message", "type", "param", "code"}}` that OpenAI clients understand.
+
+An `UpstreamError`'s message is for the log (URL, the transport's own words); a client sees
+`exc.public(name)`: the upstream's configured name and a generic `reason`, never an internal
+address or exception text.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ __all__ = [
     "TooManyConnections",
     "Unauthorized",
     "UpstreamConnectError",
+    "UpstreamConnectTimeout",
     "UpstreamError",
     "UpstreamTimeout",
     "render",
@@ -164,15 +170,34 @@ class Unauthorized(HTTPError):
 
 
 class UpstreamError(HTTPError):
+    """The engine failed. `message` is for the log; `reason` (generic) is for the client."""
+
     status, type, code = 502, "server_error", "upstream_error"
+    # the request never reached the engine (no connection was made): safe to send elsewhere,
+    # and no evidence about the engine's latency
+    unreached: ClassVar[bool] = False
+
+    def __init__(self, message: str, reason: str = "bad response") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def public(self, upstream: str) -> UpstreamError:
+        """This error as a client may see it: the upstream's configured name, no internals."""
+        return type(self)(f"upstream '{upstream}' failed: {self.reason}; retry later",
+                          self.reason)
 
 
 class UpstreamConnectError(UpstreamError):
     status, type, code = 502, "server_error", "upstream_unreachable"
+    unreached = True
 
 
 class UpstreamTimeout(UpstreamError):
     status, type, code = 504, "server_error", "upstream_timeout"
+
+
+class UpstreamConnectTimeout(UpstreamTimeout):
+    unreached = True
 
 
 def render(exc: HTTPError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:

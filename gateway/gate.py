@@ -204,6 +204,24 @@ class Gate:
                               "counted in kneegate_controller_errors_total)",
                               type(up.controller).__name__, up.name, hook)
 
+    def reroute(self, permit: Permit) -> bool:
+        """Move `permit` to another upstream with room after its own could not be reached
+        (the engine never saw the request). False, the permit unchanged, when none has room.
+
+        Counted once: the request stays admitted once (under the upstream first chosen)
+        and finishes once, on the upstream that serves it; the move is counted in
+        `kneegate_upstream_reroutes_total` by the upstream it left."""
+        old = permit.upstream
+        up = self.queue.reroute(permit.ticket, self.clock())
+        if up is None:
+            return False
+        assert isinstance(up, Upstream), "admission rerouted to a foreign upstream"
+        permit.upstream = up
+        self.metrics.child(self.metrics.reroutes, old.name).inc()
+        self._notify(up, "on_admit", permit.ticket.tokens)
+        self.pump()
+        return True
+
     def tick(self, upstreams: list[Upstream]) -> None:
         """Advance controllers, dispatch what fits, time out what waited too long."""
         now = self.clock()

@@ -7,9 +7,12 @@ Counting is arranged so that nothing is lost without a count. At every scrape:
 
 (`shed` has reasons queue_full, no_upstream, shutting_down and client_gone — the caller
 left while queued; `upstream_error` covers errors, timeouts and engine overload, detailed in
-`kneegate_upstream_failures_total`). Each counter moves in the same synchronous step as
-the state it counts, so the identities hold exactly whenever the event loop can answer a
-scrape; with nothing queued or in flight they are the bare identities of DESIGN.md.
+`kneegate_upstream_failures_total`). A request moved off an unreachable upstream
+(`kneegate_upstream_reroutes_total`) is admitted once, under the upstream first chosen, and
+finishes once, under the one that served it: the identities hold summed over upstreams.
+Each counter moves in the same synchronous step as the state it counts, so the identities
+hold exactly whenever the event loop can answer a scrape; with nothing queued or in flight
+they are the bare identities of DESIGN.md.
 
 Gauges that mirror live state (limit, in-flight, queue depth, knee estimate) are read at
 scrape time by a small Collector, never pushed from the hot path. So are the scraped engine
@@ -182,6 +185,9 @@ class GatewayMetrics:
         self.failures = Counter(
             "kneegate_upstream_failures", "Upstream errors by kind", ["upstream", "kind"],
             registry=r)
+        self.reroutes = Counter(
+            "kneegate_upstream_reroutes", "Requests moved to another upstream because this one "
+            "could not be reached (connect refused or timed out)", ["upstream"], registry=r)
         self.queue_wait = Histogram(
             "kneegate_queue_wait_seconds", "Time from arrival to a slot", ["class"],
             buckets=_WAIT_BUCKETS, registry=r)

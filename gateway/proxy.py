@@ -13,6 +13,11 @@ One request, in order:
    happen), then close the upstream connection unless it ended cleanly, which is what makes
    the engine abort a request whose caller went away.
 
+A request whose upstream could not be reached (connect refused or timed out: the engine
+never saw it) marks that upstream failed and moves once to another upstream with room
+(`Gate.reroute`) before its client sees a 502/504. A client sees an upstream by its
+configured name only; the URL and the transport's words go to the log.
+
 Three things end an exchange from outside, all by cancelling its task with a reason: the
 client leaving (the body writer's `on_disconnect` callback under kneegate's server; on any
 other ASGI server a watcher task blocked on `receive()`, which only returns again when the
@@ -28,6 +33,7 @@ will route; `FORWARDED_METHODS` are the methods the OpenAI API uses.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -42,7 +48,6 @@ from gateway.errors import (
     InvalidPath,
     Rejection,
     ShuttingDown,
-    UpstreamConnectError,
     UpstreamError,
     UpstreamTimeout,
     send_error,
@@ -51,7 +56,7 @@ from gateway.gate import Gate, Permit
 from gateway.tap import Tap
 from gateway.types import Clock, Receive, Scope, Send
 from gateway.upstream_client import UpstreamClient, UpstreamResponse, upstream_errors
-from gateway.upstreams import UpstreamPool
+from gateway.upstreams import Upstream, UpstreamPool
 from gateway.wire import EXTENSION as WIRE_EXTENSION
 from gateway.wire import BodyWriter
 
@@ -66,6 +71,8 @@ FORWARDED_METHODS = frozenset({"GET", "POST", "DELETE", "HEAD", "OPTIONS"})
 ALLOW = b"GET, POST, DELETE, HEAD, OPTIONS"
 PROXIED_EXACT = frozenset({b"/tokenize", b"/detokenize", b"/version"})
 _DOT = re.compile(rb"%2[eE]")
+
+log = logging.getLogger("kneegate")
 
 # RFC 9110 §7.6.1 connection-specific fields, plus what the client library recomputes.
 HOP_BY_HOP = frozenset({
@@ -117,11 +124,12 @@ class Exchange:
 
     __slots__ = (
         "aborted", "admitted_at", "chunks", "finished", "seen_at", "seen_chunks", "sending",
-        "started", "task",
+        "started", "task", "upstream",
     )
 
     def __init__(self, task: asyncio.Task[object]) -> None:
         self.task = task
+        self.upstream: Upstream | None = None  # set at admission (and at a reroute)
         self.aborted: Outcome | None = None
         self.started = False  # response headers sent to the client
         self.finished = False  # the last byte is on its way: nothing may abort now
@@ -269,7 +277,9 @@ class Proxy:
     def _abort_error(self, ex: Exchange, s: ProxySettings) -> HTTPError | None:
         # what the client hears of an abort before the response started (if still there)
         if ex.aborted is Outcome.TIMEOUT:
-            return UpstreamTimeout(f"upstream sent nothing within {s.first_byte:g}s; retry later")
+            name = ex.upstream.name if ex.upstream is not None else "?"
+            return UpstreamTimeout(
+                f"upstream '{name}' sent nothing within {s.first_byte:g}s; retry later")
         if ex in self.cut_off:
             return ShuttingDown("kneegate shut down before the engine answered; retry",
                                 self.gate.queue.retry_after_min)
@@ -333,35 +343,58 @@ class Proxy:
         except Rejection as exc:
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
-        ex.admitted_at = permit.admitted_at
+        ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
         self.active.add(ex)
         resp: UpstreamResponse | None = None
         tap: Tap | None = None
         error: UpstreamError | None = None
         outcome = Outcome.CLIENT_CANCELLED  # what a cancellation leaves behind
         try:
-            base = permit.upstream.url
-            resp = await self.client.open(scope["method"], base, _target(scope), headers, body)
+            resp = await self._open(ex, permit, scope, headers, body)
             tap = Tap(self.clock, _is_sse(resp.headers))
-            with upstream_errors(base):
+            with upstream_errors(permit.upstream.url):
                 await self._relay(ex, resp, tap, send, rid, writer)
             outcome = _outcome_for_status(resp.status)
         except UpstreamError as exc:
-            outcome, error = self._upstream_failed(permit, exc), exc
+            outcome, error = self._upstream_failed(permit, exc, rid), exc
         finally:
             # the slot is free before anything else may happen; sync, cancellation-proof
             self.active.discard(ex)
             if ex.aborted is not None:
                 outcome = ex.aborted
             sample = None
-            try:
-                sample = self._sample(permit, outcome, tap)
+            try:  # a connect failure says nothing of latency
+                if error is None or not error.unreached:
+                    sample = self._sample(permit, outcome, tap)
             finally:  # even a sample that cannot be made must not keep the slot
                 permit.finish(outcome, sample)
             if resp is not None:
                 resp.release() if ex.finished else resp.close()
         if error is not None and not ex.started:
-            await send_error(send, error, [(b"x-request-id", rid)])
+            await send_error(send, error.public(permit.upstream.name),
+                             [(b"x-request-id", rid)])
+
+    async def _open(
+        self, ex: Exchange, permit: Permit, scope: Scope, headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> UpstreamResponse:
+        """Send the request upstream; return once the response head arrived.
+
+        A connect failure marks that upstream failed and, the engine never having seen
+        the request, moves it once to another upstream with room (else it is raised)."""
+        method, target = scope["method"], _target(scope)
+        try:
+            resp = await self.client.open(method, permit.upstream.url, target, headers, body)
+        except UpstreamError as exc:
+            if not exc.unreached:
+                raise
+            self._unreachable(permit.upstream, exc)
+            if not self.gate.reroute(permit):
+                raise
+            ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
+            resp = await self.client.open(method, permit.upstream.url, target, headers, body)
+        permit.upstream.answered(self.clock())
+        return resp
 
     async def _relay(
         self, ex: Exchange, resp: UpstreamResponse, tap: Tap, send: Send, rid: bytes,
@@ -402,9 +435,17 @@ class Proxy:
         ex.finished = True
         await send(_END)
 
-    def _upstream_failed(self, permit: Permit, exc: UpstreamError) -> Outcome:
-        if isinstance(exc, UpstreamConnectError):
-            self.pool.mark_failed(permit.upstream, self.clock())
+    def _unreachable(self, up: Upstream, exc: UpstreamError) -> None:
+        self.pool.mark_failed(up, self.clock(), exc.message)
+
+    def _upstream_failed(self, permit: Permit, exc: UpstreamError, rid: bytes) -> Outcome:
+        up = permit.upstream
+        if exc.unreached:
+            if up.healthy:  # else `_open` marked it already, or a probe is under way
+                self._unreachable(up, exc)
+        else:
+            log.warning("upstream %s (%s) failed request %s: %s (%r)", up.name, up.url,
+                        rid.decode("latin-1"), exc.message, exc.__cause__)
         return Outcome.TIMEOUT if isinstance(exc, UpstreamTimeout) else Outcome.UPSTREAM_ERROR
 
     def _sample(self, permit: Permit, outcome: Outcome, tap: Tap | None) -> Sample | None:
@@ -433,6 +474,8 @@ class Proxy:
         for ex in self.active:
             if ex.chunks != ex.seen_chunks:
                 ex.seen_chunks, ex.seen_at = ex.chunks, now
+                if ex.upstream is not None:
+                    ex.upstream.answered_at = now  # the engine makes progress
             elif ex.chunks == 0:
                 if now - ex.admitted_at > fb:
                     ex.abort(Outcome.TIMEOUT)

@@ -16,12 +16,28 @@ There is no connection cap (admission is the only cap) and only `connect` is tim
 first-byte and idle deadlines are checked by the proxy's sweeper at tick granularity, so a
 chunk costs no timer. A request that fails on a reused keep-alive connection before any
 byte of response arrived is retried once on a new connection (the engine closed it idle).
+
+What a peer sends is never trusted to line up with what was asked (issue 11):
+- a connection is read only inside an exchange: bytes that arrive while it idles in the
+  pool (an unsolicited or late response) close it, and a connection with unread bytes in
+  its socket is never handed out, so no request can read another's answer; bytes after
+  the end of the response it answers close it too;
+- interim responses (100 Continue, 103 Early Hints) are skipped: the request gets the
+  final response; a 101 Switching Protocols (kneegate never asks for one) is an error;
+- the response head (status line and header fields) is bounded by `max_header_bytes`,
+  counted as bytes arrive, so an endless header block costs at most that much memory.
+
+Errors name the upstream's URL and the transport's own words for the log; clients see only
+their generic `reason` (`UpstreamError.public`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import logging
 import ssl
+import termios
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any
@@ -29,12 +45,24 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from gateway.errors import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamError,
+    UpstreamTimeout,
+)
 
 __all__ = ["UpstreamClient", "UpstreamResponse", "upstream_errors"]
 
+log = logging.getLogger("kneegate.upstream")
+
 Origin = tuple[str, int, bool]  # host, port, TLS
 _HIGH_WATER = 1 << 20  # buffered body bytes before we stop reading the engine's socket
+_NO_BYTES = bytes(4)  # FIONREAD's answer for an empty socket buffer
+
+
+class _Stop(Exception):
+    """Raised from a parser callback to stop parsing; the reason is in `_Conn.error`."""
 
 
 class upstream_errors:
@@ -56,9 +84,13 @@ class upstream_errors:
         if exc is None:
             return
         if isinstance(exc, TimeoutError):
-            raise UpstreamTimeout(f"upstream {self.url} timed out") from exc
-        if isinstance(exc, (OSError, httptools.HttpParserError)):
-            raise UpstreamError(f"upstream {self.url} failed: {exc!r}") from exc
+            raise UpstreamTimeout(f"upstream {self.url} timed out", "timed out") from exc
+        if isinstance(exc, OSError):
+            reason = "connection reset" if isinstance(exc, ConnectionError) else "connection failed"
+            raise UpstreamError(f"upstream {self.url} failed: {exc!r}", reason) from exc
+        if isinstance(exc, (httptools.HttpParserError, httptools.HttpParserUpgrade)):
+            raise UpstreamError(f"upstream {self.url} sent an invalid response: {exc!r}",
+                                "invalid response") from exc
 
 
 class _Conn(asyncio.Protocol):
@@ -68,6 +100,7 @@ class _Conn(asyncio.Protocol):
         self.client, self.key = client, key
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
+        self.fd = -1  # the plain socket's descriptor, to look for bytes before reuse
         self.closed = False
         self._reset()
 
@@ -86,6 +119,12 @@ class _Conn(asyncio.Protocol):
         self.head_only = False
         self.framed = False  # Content-Length or chunked: else the body ends at EOF
         self.reusable = False
+        self.active = False  # inside an exchange: bytes are expected
+        self.interim = False  # parsing a 1xx interim response, skipped
+        # the response head's size (1xx heads included), two ways: bytes fed while it was
+        # incomplete, and the header fields parsed (a head may complete inside one chunk)
+        self.head_fed = 0
+        self.head_size = 0
 
     # --- asyncio.Protocol ------------------------------------------------------------
 
@@ -93,12 +132,25 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if not self.active:
+            # nobody asked: an unsolicited or late response must never be read as the
+            # answer to the next request that takes this connection
+            log.warning("upstream %s:%d sent %d bytes on an idle connection; closed it",
+                        self.key[0], self.key[1], len(data))
+            self.close()
+            return
         self.got_bytes = True
+        if not self.got_headers:
+            self.head_fed += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.error = exc
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self.error is None:  # else a callback stopped the parser, the reason set
+                self.error = exc
             self.close()
+        else:
+            if not self.got_headers and self.head_fed > self.client.max_header_bytes:
+                self._head_too_large()
         if self.buf:
             # Push mode: write through from here, so the relay sleeps on (no task switch per
             # event). The body's last bytes go to the relay instead, which sends them with
@@ -112,9 +164,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        idle = self.client._idle.get(self.key)
-        if idle is not None:
-            idle.pop(self, None)
+        self._unpool()
         if self.got_headers and not self.framed and exc is None:
             self.done = True
         if not self.done and self.error is None:
@@ -123,11 +173,33 @@ class _Conn(asyncio.Protocol):
 
     # --- httptools callbacks ---------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.done:  # a second response to one request: the peer is out of step
+            self.reusable = False
+            self.error = ConnectionResetError("upstream sent more than one response")
+            raise _Stop
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        # `data_received` bounds a head still arriving; this, one completed in a chunk
+        self.head_size += len(name) + len(value) + 4  # "name: value\r\n"
+        if self.head_size > self.client.max_header_bytes:
+            self._head_too_large()
+            raise _Stop
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:
+            if status == 101:  # kneegate never sends Upgrade: nobody asked for this
+                self.error = UpstreamError(
+                    f"upstream {self.key[0]}:{self.key[1]} switched protocols unasked",
+                    "unexpected protocol switch")
+                raise _Stop
+            # 100 Continue, 103 Early Hints: not the answer; the final response follows
+            self.interim = True
+            self.headers.clear()
+            return
+        self.status = status
         self.got_headers = True
         self.framed = any(k in (b"content-length", b"transfer-encoding") for k, _ in self.headers)
         if self.head_only:
@@ -138,8 +210,18 @@ class _Conn(asyncio.Protocol):
         self.buffered += len(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.done = True
         self.reusable = self.parser.should_keep_alive()  # only true inside this callback
+
+    def _head_too_large(self) -> None:
+        limit = self.client.max_header_bytes
+        self.error = UpstreamError(
+            f"upstream {self.key[0]}:{self.key[1]} sent a response head over {limit} bytes",
+            "response headers too large")
+        self.close()
 
     # --- the reader's side -----------------------------------------------------------
 
@@ -222,12 +304,29 @@ class _Conn(asyncio.Protocol):
     def close(self) -> None:
         self.closed = True
         self.sink = None
+        self._unpool()
         if self.transport is not None:
             self.transport.close()
 
+    def _unpool(self) -> None:
+        idle = self.client._idle.get(self.key)
+        if idle is not None:
+            idle.pop(self, None)
+
+    def pending(self) -> bool:
+        """True when bytes wait unread in the socket (the loop has not delivered them yet):
+        they answer nothing this connection will be asked, so it must not be reused."""
+        if self.fd < 0:
+            return False
+        try:
+            return fcntl.ioctl(self.fd, termios.FIONREAD, _NO_BYTES) != _NO_BYTES
+        except OSError:
+            return True
+
     def finish(self) -> None:
         """Response fully read: back to the pool if the connection can be reused."""
-        if self.done and self.reusable and not self.closed and not self.head_only:
+        if (self.done and self.reusable and not self.closed and not self.head_only
+                and self.error is None):
             self._reset()
             self.client._idle.setdefault(self.key, {})[self] = None
         else:
@@ -275,10 +374,15 @@ def _origin(base: str) -> tuple[Origin, bytes]:
 
 
 class UpstreamClient:
-    """Keep-alive connections to every upstream, no cap, built at start-up."""
+    """Keep-alive connections to every upstream, no cap, built at start-up.
 
-    def __init__(self, connect_timeout: float) -> None:
+    `max_header_bytes`: the largest response head (status line and headers) accepted from
+    an engine; a larger one is an UpstreamError (502) and its connection is closed.
+    """
+
+    def __init__(self, connect_timeout: float, max_header_bytes: int = 65536) -> None:
         self.connect_timeout = connect_timeout
+        self.max_header_bytes = max_header_bytes
         # idle keep-alive connections per origin; a dict as an ordered set: O(1) removal
         # when the engine closes one, and the most recently used is reused first
         self._idle: dict[Origin, dict[_Conn, None]] = {}
@@ -292,8 +396,8 @@ class UpstreamClient:
         pass
 
     async def close(self) -> None:
-        for conns in self._idle.values():
-            for c in conns:
+        for conns in list(self._idle.values()):
+            for c in list(conns):
                 c.close()
         self._idle.clear()
 
@@ -307,21 +411,28 @@ class UpstreamClient:
                 transport, conn = await loop.create_connection(
                     lambda: _Conn(self, key), host, port, ssl=self._ssl if tls else None)
         except TimeoutError as exc:
-            raise UpstreamTimeout(
-                f"connect to upstream {host}:{port} timed out after {self.connect_timeout:g}s"
-            ) from exc
+            raise UpstreamConnectTimeout(
+                f"connect to upstream {host}:{port} timed out after {self.connect_timeout:g}s",
+                "connect timed out") from exc
         except OSError as exc:
+            reason = ("connection refused" if isinstance(exc, ConnectionRefusedError)
+                      else "cannot connect")
             raise UpstreamConnectError(
-                f"cannot connect to upstream {host}:{port}: {exc.strerror or exc}") from exc
+                f"cannot connect to upstream {host}:{port}: {exc.strerror or exc}",
+                reason) from exc
         conn.transport = transport  # uvloop may call connection_made only later
+        if not tls:  # TLS records (tickets, alerts) may arrive unasked: judged in data_received
+            sock = transport.get_extra_info("socket")
+            conn.fd = sock.fileno() if sock is not None else -1
         return conn
 
     def _pooled(self, key: Origin) -> _Conn | None:
         idle = self._idle.get(key)
         while idle:
             conn, _ = idle.popitem()
-            if not conn.closed:
+            if not conn.closed and not conn.pending():
                 return conn
+            conn.close()
         return None
 
     async def open(
@@ -358,6 +469,7 @@ class UpstreamClient:
     async def _exchange(self, conn: _Conn, method: str, payload: bytes, url: str
                         ) -> UpstreamResponse:
         conn.head_only = method == "HEAD"
+        conn.active = True
         assert conn.transport is not None
         try:
             with upstream_errors(url):
@@ -368,8 +480,9 @@ class UpstreamClient:
             raise
         return UpstreamResponse(conn)
 
-    async def get_text(self, url: str, timeout: float) -> tuple[int, str]:
-        """A small GET for health probes and metric scrapes."""
+    async def get_text(self, url: str, timeout: float, max_bytes: int = 8 << 20
+                       ) -> tuple[int, str]:
+        """A small GET for health probes and metric scrapes; at most `max_bytes` of body."""
         try:
             async with asyncio.timeout(timeout):
                 parts = urlsplit(url)
@@ -378,9 +491,20 @@ class UpstreamClient:
                 resp = await self.open("GET", base, target.encode(), [(b"accept", b"*/*")], b"")
                 try:
                     with upstream_errors(url):
-                        body = await resp.read_all()
+                        body = await _read_at_most(resp, max_bytes, url)
                 finally:
                     resp.release()
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"GET {url} took longer than {timeout:g}s") from exc
+            raise UpstreamTimeout(f"GET {url} took longer than {timeout:g}s", "timed out") from exc
         return resp.status, body.decode("utf-8", "replace")
+
+
+async def _read_at_most(resp: UpstreamResponse, limit: int, url: str) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await resp.read():
+        size += len(chunk)
+        if size > limit:  # release() then closes the connection: the body is unfinished
+            raise UpstreamError(f"GET {url}: body over {limit} bytes", "response too large")
+        parts.append(chunk)
+    return b"".join(parts)

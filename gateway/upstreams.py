@@ -4,13 +4,32 @@
 what the proxy and the status page need, so the pure queue hands the proxy the very object
 it dispatched to.
 
-Health is `/health` AND progress. A connect failure marks an upstream unhealthy at once
-(admission stops choosing it); the tick then probes `health_path` with growing back-off
-(0.5 s doubling to 8 s) and a 2xx makes it healthy again. An upstream that is scraped
-(`scrape: true` or a `metrics_url`) is also judged on progress: when its scrapes show
-running requests and a generation-token counter that has not advanced for `stall_after`
-seconds it is *stalled* and unusable, whatever its /health says, and a later scrape that
-shows progress (new tokens, or nothing running) makes it usable again.
+Health is `/health` AND progress. A connect failure (refused or timed out) marks an
+upstream unhealthy at once (admission stops choosing it); the tick then probes
+`health_path` with growing back-off (0.5 s doubling to 8 s) and a 2xx makes it healthy
+again.
+
+Health is *unknown* until first contact: an upstream is `confirmed` once a probe of its
+`health_path` answered 2xx, a scrape answered, or a request got a response head. The
+gateway probes every upstream at start-up (`first_contact`) and keeps probing an
+unconfirmed one with back-off; admission still sends it traffic meanwhile (an unanswered
+probe is no verdict), but `/ready` counts only upstreams both usable and confirmed.
+
+An upstream that is scraped (`scrape: true` or a `metrics_url`) is also judged on
+progress: when its scrapes show running requests and a generation-token counter that has
+not advanced for `stall_after` seconds it is *stalled* and unusable, whatever its /health
+says, and a later scrape that shows progress (new tokens, or nothing running) makes it
+usable again.
+
+A *frozen* engine (SIGSTOP, a wedged process: connects succeed, nothing answers) cannot be
+judged by scrapes that never come back, so silence is the evidence. A scraped upstream is
+frozen, and unusable, when both hold:
+- its last 3 scrapes in a row timed out or failed (`_FROZEN_SCRAPES`), and
+- it has requests in flight, and for `stall_after` seconds none of them received a byte:
+  no response head, no body chunk, since the later of the last such byte and the last
+  tick at which it had nothing in flight (tick granularity).
+The next scrape that gets any HTTP answer makes it usable again. An upstream that is not
+scraped is left to the first-byte and idle timeouts.
 
 Telemetry: a healthy scraped upstream's /metrics is read every `scrape_interval`; a scrape
 that does not answer within `stale_after` (default 3 intervals) is abandoned, and good
@@ -25,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +65,7 @@ log = logging.getLogger("kneegate.upstreams")
 
 _PROBE_TIMEOUT = 2.0
 _BACKOFF_MIN, _BACKOFF_MAX = 0.5, 8.0
+_FROZEN_SCRAPES = 3  # failed scrapes in a row, with silent requests: frozen
 
 # (upstream name, outcome) -> counted; outcomes: ok, timeout, error, http_error, unparsable
 ScrapeCounter = Callable[[str, str], None]
@@ -65,6 +86,11 @@ class Upstream(UpstreamState):
     stalled: bool = False  # scrapes show running requests and no new tokens for stall_after
     busy: bool = False  # a probe or scrape is running
     handing: int = 0  # slots dispatched whose caller has not resumed yet (see Gate)
+    confirmed: bool = False  # answered a probe, a scrape or a request since start-up
+    answered_at: float = -math.inf  # the last response byte from it (tick granularity)
+    idle_at: float = -math.inf  # the last tick at which it had nothing in flight
+    scrape_failures: int = 0  # scrapes in a row that timed out or failed
+    frozen: bool = False  # failing scrapes and silent requests: see the module docstring
 
     @property
     def limit(self) -> int:
@@ -80,7 +106,12 @@ class Upstream(UpstreamState):
         return None if self.progress is None else self.progress.view(now, self.stalled)
 
     def refresh_usable(self) -> None:
-        self.usable = self.healthy and not self.stalled
+        self.usable = self.healthy and not self.stalled and not self.frozen
+
+    def answered(self, now: float) -> None:
+        """A response head arrived from it: it is reachable and making progress."""
+        self.answered_at = now
+        self.confirmed = True
 
     def status(self, now: float) -> dict[str, Any]:
         return {
@@ -88,6 +119,8 @@ class Upstream(UpstreamState):
             "url": self.url,
             "usable": self.usable,
             "healthy": self.healthy,
+            "confirmed": self.confirmed,
+            "frozen": self.frozen,
             "limit": self.limit,
             "in_flight": self.inflight,
             "in_flight_tokens": self.inflight_tokens,  # prompt-size estimates, summed
@@ -164,9 +197,10 @@ class UpstreamPool:
         self.active = new
         return new
 
-    def mark_failed(self, up: Upstream, now: float) -> None:
+    def mark_failed(self, up: Upstream, now: float, why: str = "connect failed") -> None:
+        """A connect to `up` failed (refused or timed out): unusable until a probe answers."""
         if up.healthy:
-            log.warning("upstream %s unusable: connect failed; probing %s", up.name, up.url)
+            log.warning("upstream %s unusable: %s; probing %s", up.name, why, up.url)
             up.backoff = _BACKOFF_MIN
         up.healthy = False
         up.refresh_usable()
@@ -176,9 +210,10 @@ class UpstreamPool:
         """Start due health probes and engine scrapes (called from the tick)."""
         tasks = []
         for up in self.active:
+            self._judge_silence(up, now)
             if up.busy or up.config is None:
                 continue
-            if not up.healthy and now >= up.next_probe_at:
+            if (not up.healthy or not up.confirmed) and now >= up.next_probe_at:
                 up.busy = True
                 tasks.append(asyncio.create_task(self._probe(client, up, now)))
             elif up.healthy and up.config.scrape_url and now >= up.next_scrape_at:
@@ -186,6 +221,41 @@ class UpstreamPool:
                 up.next_scrape_at = now + up.config.scrape_interval
                 tasks.append(asyncio.create_task(self._scrape(client, up, now)))
         return tasks
+
+    async def first_contact(self, client: UpstreamClient) -> None:
+        """Probe every upstream once, together (start-up: bounded by the probe timeout).
+        A 2xx confirms it; anything else leaves it unconfirmed and still usable."""
+        now = self.clock()
+        probes = []
+        for up in self.active:
+            if up.config is not None and not up.busy:
+                up.busy = True
+                probes.append(self._probe(client, up, now))
+        await asyncio.gather(*probes)
+
+    def _judge_silence(self, up: Upstream, now: float) -> None:
+        """Frozen: failing scrapes and in-flight requests silent for stall_after."""
+        if up.inflight == 0:
+            up.idle_at = now
+        if up.frozen or up.config is None or up.scrape_failures < _FROZEN_SCRAPES:
+            return
+        silent = now - max(up.idle_at, up.answered_at)
+        if silent >= up.config.stall_after:
+            log.warning("upstream %s unusable: %d scrapes failed and %d requests got nothing "
+                        "for %.1fs; frozen?", up.name, up.scrape_failures, up.inflight, silent)
+            up.frozen = True
+            up.refresh_usable()
+
+    def _scrape_answered(self, up: Upstream, answered: bool) -> None:
+        if not answered:
+            up.scrape_failures += 1
+            return
+        up.scrape_failures = 0
+        up.confirmed = True
+        if up.frozen:
+            log.warning("upstream %s answers again", up.name)
+            up.frozen = False
+            up.refresh_usable()
 
     async def _probe(self, client: UpstreamClient, up: Upstream, now: float) -> None:
         assert up.config is not None
@@ -197,9 +267,10 @@ class UpstreamPool:
         finally:
             up.busy = False
         if ok:
-            log.warning("upstream %s healthy again%s", up.name,
-                        "; still stalled" if up.stalled else "")
-            up.healthy = True
+            if not up.healthy:
+                log.warning("upstream %s healthy again%s", up.name,
+                            "; still stalled" if up.stalled else "")
+            up.healthy = up.confirmed = True
             up.refresh_usable()
         else:
             up.backoff = min(_BACKOFF_MAX, up.backoff * 2)
@@ -210,6 +281,7 @@ class UpstreamPool:
             outcome = await self._fetch(client, up, started)
         finally:
             up.busy = False
+        self._scrape_answered(up, outcome not in ("timeout", "error"))
         self.count_scrape(up.name, outcome)
 
     async def _fetch(self, client: UpstreamClient, up: Upstream, started: float) -> str:

@@ -42,6 +42,16 @@ def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
     )
 
 
+def assert_conserved(m: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
+    """The outcome identities of DESIGN.md on one /metrics scrape (summed over labels)."""
+    received = total(m, "kneegate_requests_received_total")
+    admitted = total(m, "kneegate_requests_admitted_total")
+    assert received == admitted + total(m, "kneegate_requests_shed_total") + total(
+        m, "kneegate_requests_queue_timeout_total") + total(m, "kneegate_queue_depth")
+    assert admitted == total(m, "kneegate_requests_finished_total") + total(
+        m, "kneegate_in_flight")
+
+
 async def answer_lifespan(receive: Any, send: Any) -> None:
     """The lifespan protocol for a test's bare ASGI engine: start, then stop when told."""
     while (await receive())["type"] != "lifespan.shutdown":

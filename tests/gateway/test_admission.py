@@ -137,3 +137,19 @@ def test_retry_after_is_not_inflated_by_a_young_completion_rate() -> None:
         q.note_completion(100.0 + i / 10)
     assert abs(q.completion_rate - 10.0) < 0.5
     assert q.retry_after(30) == 4
+
+
+def test_reroute_frees_the_unreachable_slot_without_a_completion() -> None:
+    ups = pool(2, 1)
+    q = AdmissionQueue(ups, CLASSES, max_queue=4)
+    t = Ticket("lo", 0.0, tokens=30)
+    assert q.offer(t, 0.0) == Admitted(ups[0])
+    ups[0].usable = False  # its connect failed
+    assert q.reroute(t, 1.0) is ups[1]
+    assert (t.upstream, t.dispatched_at, t.inflight_at_admit) == (ups[1], 1.0, 1)
+    assert [(u.inflight, u.inflight_tokens) for u in ups] == [(0, 0), (1, 30)]
+    assert q.completion_rate == 0.0  # nothing was served
+    other = Ticket("lo", 2.0)
+    assert isinstance(q.offer(other, 2.0), Queued)  # u1 is full, u0 unusable
+    assert q.reroute(t, 3.0) is None  # no other upstream has room: the ticket stays
+    assert t.upstream is ups[1] and ups[1].inflight == 1

@@ -9,8 +9,14 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 import pytest
+from faulty_upstream import blackhole
 
-from gateway.errors import UpstreamConnectError, UpstreamError
+from gateway.errors import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from gateway.upstream_client import UpstreamClient
 
 pytestmark = pytest.mark.anyio
@@ -23,6 +29,7 @@ class RawServer:
         self.connections = 0
         self.requests: list[bytes] = []
         self.writers: list[asyncio.StreamWriter] = []
+        self.ended = asyncio.Event()  # a connection ended (the client closed it)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -40,6 +47,7 @@ class RawServer:
                 if self.close_after:
                     break
         writer.close()
+        self.ended.set()
 
 
 @contextlib.asynccontextmanager
@@ -132,3 +140,161 @@ async def test_get_text_for_probes() -> None:
         status, text = await client.get_text(base + "/metrics", timeout=2)
         assert (status, text) == (200, "vllm:num_requests_running 3\n")
         await client.close()
+
+
+# --- issue 11: a peer out of step never hands one request another's answer ------------
+
+UNASKED = b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\nX-N: 99\r\n\r\nstolen"
+
+
+async def _get(client: UpstreamClient, base: str) -> tuple[int, bytes, bytes]:
+    """One GET: (status, X-N header, body)."""
+    with anyio.fail_after(2):
+        resp = await client.open("GET", base, b"/", [], b"")
+        body = await resp.read_all()
+    resp.release()
+    return resp.status, dict(resp.headers).get(b"x-n", b""), body
+
+
+async def test_bytes_on_an_idle_pooled_connection_close_it() -> None:
+    server = RawServer(fixed(b"hello"))
+    client = UpstreamClient(connect_timeout=2)
+    async with raw_server(server) as base:
+        assert await _get(client, base) == (200, b"1", b"hello")
+        server.writers[0].write(UNASKED)  # a late or unsolicited response, unasked
+        with anyio.fail_after(2):
+            await server.ended.wait()  # the client read it while idle and hung up
+        assert await _get(client, base) == (200, b"2", b"hello")
+        assert server.connections == 2
+        await client.close()
+
+
+async def test_unread_bytes_in_the_socket_keep_a_connection_out_of_use() -> None:
+    server = RawServer(fixed(b"hello"))
+    client = UpstreamClient(connect_timeout=2)
+    async with raw_server(server) as base:
+        assert await _get(client, base) == (200, b"1", b"hello")
+        # in the client's socket now, but the loop has not delivered it: taken at once
+        server.writers[0].write(UNASKED)
+        assert await _get(client, base) == (200, b"2", b"hello")
+        assert server.connections == 2
+        await client.close()
+
+
+async def test_a_second_response_after_the_answer_closes_the_connection() -> None:
+    server = RawServer(lambda n: fixed(b"hello")(n) + UNASKED)
+    client = UpstreamClient(connect_timeout=2)
+    async with raw_server(server) as base:
+        assert await _get(client, base) == (200, b"1", b"hello")
+        assert await _get(client, base) == (200, b"2", b"hello")
+        assert server.connections == 2
+        await client.close()
+
+
+async def test_interim_responses_are_skipped_for_the_final_one() -> None:
+    interim = (b"HTTP/1.1 100 Continue\r\n\r\n"
+               b"HTTP/1.1 103 Early Hints\r\nlink: </a.css>; rel=preload\r\n\r\n")
+    server = RawServer(lambda n: interim + fixed(b"final")(n))
+    client = UpstreamClient(connect_timeout=2)
+    async with raw_server(server) as base:
+        with anyio.fail_after(2):
+            resp = await client.open("POST", base, b"/v1/x", [], b"{}")
+            assert resp.status == 200
+            assert [k for k, _ in resp.headers] == [b"content-length", b"x-n"]
+            assert await resp.read_all() == b"final"
+        resp.release()
+        assert await _get(client, base) == (200, b"2", b"final")  # and the connection reused
+        assert server.connections == 1
+        await client.close()
+
+
+async def test_unasked_switching_protocols_is_an_upstream_error() -> None:
+    server = RawServer(lambda n: b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
+                       b"connection: upgrade\r\n\r\n")
+    client = UpstreamClient(connect_timeout=2)
+    async with raw_server(server) as base:
+        with anyio.fail_after(2), pytest.raises(UpstreamError) as info:
+            await client.open("GET", base, b"/", [], b"")
+        assert info.value.status == 502
+        assert info.value.reason == "unexpected protocol switch"
+        with anyio.fail_after(2):
+            await server.ended.wait()  # closed, never pooled
+        await client.close()
+
+
+class EndlessHead:
+    """A status line, then header fields until the client hangs up (or CAP bytes)."""
+
+    CAP = 16 << 20
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        line = b"x-filler: " + b"a" * 8180 + b"\r\n"  # 8 KiB a field
+        with contextlib.suppress(ConnectionError, RuntimeError):  # uvloop: closed transport
+            while self.sent < self.CAP:
+                writer.write(line)
+                self.sent += len(line)
+                await writer.drain()
+        writer.close()
+
+
+async def test_an_endless_response_head_is_cut_at_the_limit() -> None:
+    head = EndlessHead()
+    client = UpstreamClient(connect_timeout=2, max_header_bytes=64 << 10)
+    srv = await asyncio.start_server(head.handle, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    try:
+        with anyio.fail_after(5), pytest.raises(UpstreamError) as info:
+            await client.open("GET", base, b"/", [], b"")
+        assert info.value.status == 502
+        assert info.value.reason == "response headers too large"
+        # the client hung up near the limit: the server got out socket buffers' worth
+        # (~4 MiB on loopback), not all it meant to send
+        assert head.sent < EndlessHead.CAP
+    finally:
+        for w in head.writers:
+            w.transport.abort()
+        srv.close()
+        await client.close()
+
+
+async def test_a_head_over_the_limit_in_one_chunk_is_refused() -> None:
+    big = b"x-big: " + b"b" * 4000 + b"\r\n"
+    server = RawServer(fixed(b"ok", big))
+    client = UpstreamClient(connect_timeout=2, max_header_bytes=1024)
+    async with raw_server(server) as base:
+        with anyio.fail_after(2), pytest.raises(UpstreamError, match="over 1024 bytes"):
+            await client.open("GET", base, b"/", [], b"")
+    small = UpstreamClient(connect_timeout=2, max_header_bytes=1024)
+    async with raw_server(RawServer(fixed(b"ok", b"x-ok: 1\r\n"))) as base:
+        assert (await _get(small, base))[0] == 200
+        await small.close()
+
+
+async def test_connect_timeout_is_a_connect_failure() -> None:
+    client = UpstreamClient(connect_timeout=0.1)
+    with blackhole() as base, anyio.fail_after(2), pytest.raises(
+            UpstreamConnectTimeout) as info:
+        await client.open("GET", base, b"/", [], b"")
+    exc = info.value
+    assert isinstance(exc, UpstreamTimeout) and exc.unreached and exc.status == 504
+    assert exc.reason == "connect timed out"
+
+
+async def test_public_errors_name_the_upstream_and_nothing_internal() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        client = UpstreamClient(connect_timeout=2)
+        with pytest.raises(UpstreamConnectError) as info:
+            await client.open("GET", f"http://127.0.0.1:{port}", b"/", [], b"")
+    assert str(port) in info.value.message  # the log's version has the details
+    public = info.value.public("e0")
+    assert type(public) is UpstreamConnectError
+    assert public.message == "upstream 'e0' failed: connection refused; retry later"

@@ -109,6 +109,10 @@ class BigStream:
         if scope["type"] == "lifespan":
             await answer_lifespan(receive, send)
             return
+        if scope["path"] == "/health":  # the gateway's start-up probe
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for ev in self.events:
