@@ -101,7 +101,8 @@ class Gateway:
             config.retry_after_min, config.retry_after_max,
         )
         self.gate = Gate(self.queue, self.metrics, clock)
-        self.client = UpstreamClient(config.timeouts.connect)
+        self.client = UpstreamClient(
+            config.timeouts.connect, max_header_bytes=config.limits.max_upstream_header_bytes)
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
                            clock)
         self.metrics.bind_live(self.pool.all, self._depths, clock)

@@ -201,6 +201,9 @@ class LimitsConfig(_Frozen):
     max_connections: int = Field(
         10000, ge=1, le=1_000_000,
         description="open client connections per worker; a request on one more gets 503 and close")
+    max_upstream_header_bytes: int = Field(
+        65536, ge=1024, le=16 << 20,
+        description="status line plus headers of one engine response, bytes; more: 502")
 
 
 class ServerConfig(_Frozen):

@@ -246,3 +246,9 @@ async def test_a_frozen_engine_is_taken_out_and_comes_back_when_it_answers() -> 
             assert not e0.frozen
             assert json.loads((await gw.post(max_tokens=1)).content) == {"n": 2}
             await gw.settled()
+
+
+def test_the_upstream_head_limit_comes_from_the_config() -> None:
+    cfg = gw_config("http://127.0.0.1:9", limits={"max_upstream_header_bytes": 4 << 20})
+    assert build_app(cfg).gateway.client.max_header_bytes == 4 << 20
+    assert build_app(gw_config("http://127.0.0.1:9")).gateway.client.max_header_bytes == 65536
