@@ -213,9 +213,24 @@ def embedded_upstream(port: int) -> Callable[[GatewayConfig], GatewayConfig]:
     return fill
 
 
+async def _orphan_watch(server: uvicorn.Server, parent: int) -> None:
+    """Drain `server` when the supervising parent is gone (killed with SIGKILL, say): a
+    worker in its own process group would otherwise serve on, unseen, forever."""
+    while not server.should_exit:
+        if os.getppid() != parent:
+            log.warning("the supervising process %d is gone: draining and exiting", parent)
+            server.should_exit = True
+            return
+        await asyncio.sleep(1.0)
+
+
+def _watch_parent(server: uvicorn.Server, parent: int | None) -> asyncio.Task[None] | None:
+    return None if parent is None else asyncio.create_task(_orphan_watch(server, parent))
+
+
 async def _serve_worker(
     sock: socket.socket, cfg: GatewayConfig, prepare: Prepare, config_path: str | None,
-    engine_sock: socket.socket | None,
+    engine_sock: socket.socket | None, parent: int | None = None,
 ) -> None:
     engine: uvicorn.Server | None = None
     engine_task = None
@@ -230,9 +245,12 @@ async def _serve_worker(
     gc.freeze()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGHUP, app.gateway.reload)
+    watch = _watch_parent(server, parent)
     try:
         await server.serve(sockets=[sock])
     finally:
+        if watch is not None:
+            watch.cancel()
         if engine is not None and engine_task is not None:
             engine.should_exit = True
             await engine_task
@@ -244,9 +262,11 @@ def _worker_main(
 ) -> None:
     import uvloop
 
+    parent = None
     if own_group:  # signals come from the parent only (see the module docstring)
         os.setpgid(0, 0)
-    uvloop.run(_serve_worker(sock, cfg, prepare, config_path, engine_sock))
+        parent = os.getppid()
+    uvloop.run(_serve_worker(sock, cfg, prepare, config_path, engine_sock, parent))
 
 
 def _engine_main(sock: socket.socket, inherited: socket.socket) -> None:
@@ -258,11 +278,15 @@ def _engine_main(sock: socket.socket, inherited: socket.socket) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = QuietServer(uvicorn_config(_emulator_app()))
+    parent = os.getppid()
 
     async def serve() -> None:
         asyncio.get_running_loop().add_signal_handler(
             signal.SIGTERM, setattr, server, "should_exit", True)
+        watch = _watch_parent(server, parent)
         await server.serve(sockets=[sock])
+        if watch is not None:
+            watch.cancel()
 
     uvloop.run(serve())
 

@@ -209,7 +209,6 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         self._limits = limits or ClientLimits(LimitsConfig())
         # bytes the current request head may still take; None while no head is read
         self._head_room: int | None = self._limits.max_header_bytes
-        self._headers_left = self._limits.max_headers
         self._head_timer: TimerHandle | None = None
         self._body_timer: TimerHandle | None = None
         self._body_seen = 0.0  # loop time of the last read of the request body
@@ -250,12 +249,16 @@ class KneegateHttpProtocol(HttpToolsProtocol):
                 self._head_overflow(data, room)
                 return
             self._head_room = room - len(data)
-            if self._head_timer is None:  # the first bytes of a head after keep-alive
-                self._head_timer = self.loop.call_later(
-                    self._limits.header_timeout, self._head_timed_out)
         elif self._reading_body:
             self._body_seen = self.loop.time()
         self._feed(data)
+        # A head still incomplete after this read (a slow or slowloris client) is timed
+        # from here; one that came whole, as nearly every head does, costs no timer.
+        room = self._head_room
+        if (room is not None and room < self._limits.max_header_bytes
+                and self._head_timer is None and not self._lingering):
+            self._head_timer = self.loop.call_later(
+                self._limits.header_timeout, self._head_timed_out)
         if self._reading_body and self._body_timer is None and not self._lingering:
             self._body_seen = self.loop.time()
             self._body_timer = self.loop.call_later(
@@ -294,21 +297,14 @@ class KneegateHttpProtocol(HttpToolsProtocol):
 
     # --- parser callbacks -------------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._headers_left = self._limits.max_headers
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers_left -= 1
-        if self._headers_left < 0:
-            raise _Refused("header_count")
-        super().on_header(name, value)
-
     def on_headers_complete(self) -> None:
         self._head_room = None
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        # counted once the head is whole: `max_header_bytes` already bounds its memory
+        if len(self.headers) > self._limits.max_headers:
+            raise _Refused("header_count")
         if self._over_cap:
             raise _Refused("connection_limit")
         super().on_headers_complete()

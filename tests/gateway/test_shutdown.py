@@ -206,3 +206,30 @@ async def test_sighup_keeps_the_embedded_engine_with_workers() -> None:
                     assert r.status_code == 200
             proc.send_signal(signal.SIGTERM)
             assert await wait_exit(proc, 10) == 0
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+async def test_workers_and_engine_exit_when_the_supervisor_is_killed() -> None:
+    # Workers run in their own process groups (one Ctrl-C each): a SIGKILLed supervisor
+    # must not leave them serving on, unseen (helpers' runs left 28 such processes).
+    async with httpx.AsyncClient(timeout=5) as client:
+        with kneegate("--workers", "2") as (proc, url):
+            await until_up(client, url, proc)
+            kids = _children(proc.pid)
+            assert len(kids) == 3  # the embedded engine and two workers
+            proc.kill()
+            with anyio.fail_after(10):
+                while any(_alive(k) for k in kids):
+                    await asyncio.sleep(0.05)
