@@ -4,18 +4,36 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
+from typing import TYPE_CHECKING
 
 from benchmarks.engine.profiles import list_profiles
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+__all__ = ["count", "main", "make_app", "parse_args"]
+
+_SUFFIX = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Serve the emulator until interrupted."""
-    import uvicorn
+def count(text: str) -> int:
+    """A count >= 0 as vLLM's CLI reads one: `2560`, `32k` (32 000), `2.5k`, `1K` (1024).
 
-    from benchmarks.engine.server import build_app
+    Lower-case suffixes are decimal and take a fraction that lands on an integer; upper-case
+    ones are binary and take whole numbers only (vllm.utils.argparse_utils.human_readable_int).
+    """
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text.strip())
+    if m is None or (m[2].isupper() and "." in m[1]) or (not m[2] and "." in m[1]):
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 2560, 32k, 1K)")
+    value = float(m[1]) * _SUFFIX.get(m[2], 1)
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole count: {text!r}")
+    return int(value)
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of `kneegate engine`."""
     ap = argparse.ArgumentParser(prog="kneegate engine", description="GPU-free vLLM emulator")
     ap.add_argument(
         "--profile", default="cpu-tiny", help=f"one of: relay, {', '.join(list_profiles())}"
@@ -33,15 +51,47 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--relay-interval", type=float, default=0.0, help="relay profile: seconds between chunks"
     )
+    ap.add_argument(
+        "--max-num-queued-reqs",
+        type=count,
+        default=None,
+        metavar="N",
+        help="vLLM >= 0.32: answer 503 while N requests are in the engine (waiting + running); "
+        "default: no cap",
+    )
+    ap.add_argument(
+        "--max-num-queued-tokens",
+        type=count,
+        default=None,
+        metavar="N",
+        help="vLLM >= 0.32: answer 503 while the prompts of requests without a first token "
+        "sum to N or more (e.g. 2560, 32k); default: no cap",
+    )
     ap.add_argument("--log-level", default="warning")
-    args = ap.parse_args(argv)
-    app = build_app(
+    return ap.parse_args(argv)
+
+
+def make_app(args: argparse.Namespace) -> Starlette:
+    """The emulator the parsed command line asks for."""
+    from benchmarks.engine.server import build_app
+
+    return build_app(
         args.profile,
         speed=args.speed,
         seed=args.seed,
         model_name=args.model_name,
         relay_interval=args.relay_interval,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve the emulator until interrupted."""
+    import uvicorn
+
+    args = parse_args(argv)
+    app = make_app(args)
     logging.basicConfig(level=args.log_level.upper())
     uvicorn.run(
         app,

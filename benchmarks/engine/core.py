@@ -16,6 +16,20 @@ Scheduling (vllm/v1/core/sched/scheduler.py, `schedule()`):
 A request whose computed tokens catch up with its tokens samples one output token in that
 step (a partial prefill chunk emits nothing). Blocks are 16 tokens; the last token sampled
 never needs KV, so a request of P prompt and N output tokens peaks at ceil((P+N-1)/16) blocks.
+
+Admission (vLLM >= 0.32, `--max-num-queued-reqs` / `--max-num-queued-tokens`, both off by
+default): `add_request` first asks `admission()` and raises `QueueFull(reason)` instead of
+queueing; the request never enters the engine. vLLM decides this in its API server
+(vllm/v1/engine/async_llm.py, `AsyncLLM.check_admission`) from the frontend's view of the
+requests it has handed to the engine, which is what the core knows here:
+- `max_num_queued_reqs`: unfinished requests, waiting *and* running; a request is refused when
+  it would make them exceed the cap (count + 1 > cap; a cap of 0 refuses everything).
+- `max_num_queued_tokens`: the prompt tokens of every request that has not yet emitted its
+  first token (waiting, or running a chunked prefill: the frontend only learns of prefill
+  progress from the first output), whole prompts, and not the new request's own; refused when
+  that sum is already >= the cap. A preempted request that had emitted tokens does not count
+  again (vLLM's frontend keeps it out of the prefill phase).
+The request cap is checked first, so a request both caps refuse is counted under it.
 """
 
 from __future__ import annotations
@@ -27,7 +41,30 @@ from dataclasses import dataclass, field
 from benchmarks.engine.cost import StepCost
 from benchmarks.engine.profiles import Profile
 
-__all__ = ["CoreStats", "EngineCore", "EngineRequest", "StepResult", "TokenEvent"]
+__all__ = [
+    "ADMISSION_REASONS",
+    "QUEUED_REQS",
+    "QUEUED_TOKENS",
+    "CoreStats",
+    "EngineCore",
+    "EngineRequest",
+    "QueueFull",
+    "StepResult",
+    "TokenEvent",
+]
+
+# the `reason` label of vllm:admission_rejections_total: the setting whose cap refused
+QUEUED_REQS = "max_num_queued_reqs"
+QUEUED_TOKENS = "max_num_queued_tokens"
+ADMISSION_REASONS = (QUEUED_REQS, QUEUED_TOKENS)
+
+
+class QueueFull(Exception):
+    """`add_request` refused a request: the admission cap `reason` is full (vLLM: HTTP 503)."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r} refused: {reason} is full")
+        self.request_id, self.reason = request_id, reason
 
 
 @dataclass(slots=True)
@@ -64,6 +101,8 @@ class CoreStats:
     num_preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    admission_rejections: dict[str, int] = field(default_factory=dict)  # by reason
+    prefill_tokens: int = 0  # what max_num_queued_tokens is compared with
 
 
 class _Req:
@@ -99,11 +138,26 @@ class EngineCore:
         self._preemptions = 0
         self._prompt_total = 0
         self._gen_total = 0
+        self._max_queued_reqs = profile.engine.max_num_queued_reqs
+        self._max_queued_tokens = profile.engine.max_num_queued_tokens
+        self._prefill_tokens = 0  # prompts of requests with no output token yet
+        self._rejections = dict.fromkeys(ADMISSION_REASONS, 0)
 
     # -- requests ---------------------------------------------------------------------------
 
+    def admission(self) -> str | None:
+        """The cap that would refuse one more request now (a reason), or None to admit it."""
+        cap = self._max_queued_reqs
+        if cap is not None and len(self._by_id) + 1 > cap:
+            return QUEUED_REQS
+        cap = self._max_queued_tokens
+        if cap is not None and self._prefill_tokens >= cap:
+            return QUEUED_TOKENS
+        return None
+
     def add_request(self, req: EngineRequest) -> None:
-        """Queue `req`. Raises ValueError if it could never fit the KV cache or is a duplicate."""
+        """Queue `req`. Raises ValueError if it could never fit the KV cache or is a duplicate,
+        QueueFull (counted by reason) if an admission cap refuses it."""
         if req.prompt_tokens < 1 or req.max_tokens < 1:
             raise ValueError(
                 f"request {req.request_id!r}: prompt_tokens and max_tokens must be >= 1"
@@ -115,9 +169,14 @@ class EngineCore:
                 f"request {req.request_id!r} needs {req.prompt_tokens + req.max_tokens} tokens of "
                 f"KV cache; the cache holds {self._total_blocks * self._block}"
             )
+        reason = self.admission()
+        if reason is not None:
+            self._rejections[reason] += 1
+            raise QueueFull(req.request_id, reason)
         r = _Req(req, self._target(req))
         self._by_id[r.id] = r
         self._waiting.append(r)
+        self._prefill_tokens += r.prompt
 
     def abort_request(self, request_id: str) -> bool:
         """Remove a request now and free its blocks. False if it is unknown or finished."""
@@ -128,6 +187,8 @@ class EngineCore:
             self._waiting.remove(r)
         else:
             self._running.remove(r)
+        if r.output == 0:
+            self._prefill_tokens -= r.prompt
         self._free += r.blocks
         r.blocks = 0
         return True
@@ -143,6 +204,8 @@ class EngineCore:
             num_preemptions_total=self._preemptions,
             prompt_tokens_total=self._prompt_total,
             generation_tokens_total=self._gen_total,
+            admission_rejections=dict(self._rejections),
+            prefill_tokens=self._prefill_tokens,
         )
 
     # -- the step ---------------------------------------------------------------------------
@@ -222,6 +285,7 @@ class EngineCore:
         first = r.output == 0
         if first:
             self._prompt_total += r.prompt
+            self._prefill_tokens -= r.prompt  # out of the prefill phase, as vLLM's frontend sees
         r.output += 1
         self._gen_total += 1
         finished: str | None = None

@@ -4,6 +4,13 @@ Gauges and token counters are read from the core at scrape time (a Collector); r
 outcomes and latency histograms are observed by the real-time driver as tokens go out.
 Buckets are vLLM's (vllm/v1/metrics/loggers.py). `vllm:cache_config_info` carries the KV
 cache's size in its labels (num_gpu_blocks, block_size), as vLLM's does.
+
+`vllm:admission_rejections_total{model_name, reason}` counts requests refused by the admission
+caps (reason: "max_num_queued_reqs" or "max_num_queued_tokens", both series present from the
+start at 0). vLLM 0.32 lists it as a counter, "Number of admission attempts rejected"
+(docs/usage/metrics.md); vllm-project/vllm#55812 gives it a `reason` label and no `engine`
+label. The label values are not in any source we could read: the emulator uses the names of
+the two settings, which is what the PR says the label tells apart.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from benchmarks.engine.core import CoreStats
+from benchmarks.engine.core import ADMISSION_REASONS, CoreStats
 
 __all__ = ["EngineMetrics"]
 
@@ -129,6 +136,16 @@ class _CoreCollector:
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, value)
             yield c
+        c = CounterMetricFamily(
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected.",
+            labels=["model_name", "reason"],
+        )
+        for reason in ADMISSION_REASONS:
+            c.add_metric(
+                [self._labels["model_name"], reason], s.admission_rejections.get(reason, 0)
+            )
+        yield c
 
 
 class EngineMetrics:

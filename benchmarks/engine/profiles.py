@@ -71,6 +71,10 @@ class EngineSettings:
     block_size: int
     kv_cache_tokens: int | None
     max_model_len: int | None
+    # vLLM >= 0.32's admission valve (--max-num-queued-reqs / --max-num-queued-tokens): None is
+    # no cap, vLLM's default. See EngineCore.admission for what each one counts.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

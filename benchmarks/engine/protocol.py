@@ -9,6 +9,10 @@ Output text is filler: token i (1-based) is " tok{i}", one token each, so a clie
 counts words counts tokens.
 
 Errors are `ApiError`s rendered as vLLM does: {"error": {"message", "type", "param", "code"}}.
+An admission refusal (`queue_full`) is vLLM's GracefulHTTPError as its OpenAI server renders it
+(vllm/exceptions.py QueueOverflowError / MaxQueuedTokensError, mapped by
+vllm/entrypoints/serve/utils/error_response.py): status 503, type "Service Unavailable" (the
+status phrase), param null, code 503, vLLM's message, and no Retry-After header.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ __all__ = [
     "chat_prompt_tokens",
     "error_body",
     "parse_request",
+    "queue_full",
     "text_prompt_tokens",
     "token_text",
 ]
@@ -50,6 +55,20 @@ def error_body(err: ApiError) -> dict[str, Any]:
     return {
         "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.status}
     }
+
+
+# vLLM's messages, by the cap that refused (the reasons of benchmarks.engine.core)
+_QUEUE_FULL_MESSAGES = {
+    "max_num_queued_reqs": "The engine is currently busy and cannot accept new requests. "
+    "Please try again later or on a different instance.",
+    "max_num_queued_tokens": "The engine has reached its prefill token backlog limit. "
+    "Please try again later or on a different instance.",
+}
+
+
+def queue_full(reason: str) -> ApiError:
+    """vLLM's 503 for a request an admission cap (`reason`) refused."""
+    return ApiError(503, _QUEUE_FULL_MESSAGES[reason], "Service Unavailable")
 
 
 def text_prompt_tokens(text: str) -> int:

@@ -11,12 +11,18 @@ measure what sits in front of an engine.
 
 A client that disconnects is noticed by a task waiting on the ASGI `receive`; it aborts the
 request in the core at once (blocks freed, counted as finished_reason="abort").
+
+`max_num_queued_reqs` / `max_num_queued_tokens` (vLLM >= 0.32's flags; None: no cap) are
+checked by the core when a request arrives, after it parsed: a refused request is answered
+503 with vLLM's body (protocol.queue_full), counted in vllm:admission_rejections_total{reason}
+and never enters the engine. The relay profile has no engine and no caps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -29,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from benchmarks.engine.core import EngineCore, EngineRequest
+from benchmarks.engine.core import EngineCore, EngineRequest, QueueFull
 from benchmarks.engine.driver import RealTimeDriver, TokenQueue
 from benchmarks.engine.metrics import EngineMetrics
 from benchmarks.engine.profiles import Profile, load_profile
@@ -40,6 +46,7 @@ from benchmarks.engine.protocol import (
     SseEncoder,
     error_body,
     parse_request,
+    queue_full,
 )
 
 __all__ = ["EMULATOR_VERSION", "build_app"]
@@ -85,10 +92,17 @@ def build_app(
     seed: int = 0,
     model_name: str | None = None,
     relay_interval: float = 0.0,
+    max_num_queued_reqs: int | None = None,
+    max_num_queued_tokens: int | None = None,
 ) -> Starlette:
-    """The emulator as an ASGI app; its state is `app.state.emulator`."""
+    """The emulator as an ASGI app; its state is `app.state.emulator`.
+
+    The two caps, where given, replace the profile's (vLLM's admission flags; None keeps it).
+    """
     relay = profile == RELAY
     prof = load_profile("cpu-tiny") if relay else _as_profile(profile)
+    if not relay:
+        prof = _with_caps(prof, max_num_queued_reqs, max_num_queued_tokens)
     name = model_name or (RELAY if relay else prof.name)
     state = EmulatorState(
         prof, speed=speed, seed=seed, model_name=name, relay=relay, relay_interval=relay_interval
@@ -143,6 +157,16 @@ def _as_profile(profile: str | Profile) -> Profile:
     return load_profile(profile) if isinstance(profile, str) else profile
 
 
+def _with_caps(profile: Profile, reqs: int | None, tokens: int | None) -> Profile:
+    """`profile` with the admission caps that are given (not None) replaced."""
+    engine = profile.engine
+    if reqs is not None:
+        engine = dataclasses.replace(engine, max_num_queued_reqs=reqs)
+    if tokens is not None:
+        engine = dataclasses.replace(engine, max_num_queued_tokens=tokens)
+    return dataclasses.replace(profile, engine=engine)
+
+
 def _models(state: EmulatorState) -> dict[str, Any]:
     model = {
         "id": state.model_name,
@@ -195,9 +219,14 @@ class _EngineResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         p, driver = self.parsed, self.state.driver
-        queue = driver.submit(
-            EngineRequest(self.enc.id, p.prompt_tokens, p.max_tokens, ignore_eos=p.ignore_eos)
-        )
+        try:
+            queue = driver.submit(
+                EngineRequest(self.enc.id, p.prompt_tokens, p.max_tokens, ignore_eos=p.ignore_eos)
+            )
+        except QueueFull as full:  # counted by the core; nothing of it is in the engine
+            err = queue_full(full.reason)
+            await JSONResponse(error_body(err), status_code=err.status)(scope, receive, send)
+            return
         watcher = asyncio.create_task(_watch_disconnect(receive, queue))
         try:
             if p.stream:

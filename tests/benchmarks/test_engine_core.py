@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.engine.core import EngineCore, EngineRequest
+from benchmarks.engine.core import QUEUED_REQS, QUEUED_TOKENS, EngineCore, EngineRequest, QueueFull
 from benchmarks.engine.profiles import list_profiles, load_profile
 
 
@@ -140,3 +140,60 @@ def test_eos_distribution_stops_early_unless_ignore_eos() -> None:
     reasons = {e.request_id: e.finished for e in events if e.finished}
     assert reasons["keep"] == "length"
     assert sum(r == "stop" for r in reasons.values()) >= 18
+
+
+# -- admission: vLLM >= 0.32's --max-num-queued-reqs / --max-num-queued-tokens -------------
+
+
+def test_queued_reqs_cap_refuses_the_next_request_and_it_never_enters() -> None:
+    c = core(max_num_queued_reqs=3)
+    for i in range(3):
+        c.add_request(EngineRequest(f"r{i}", 8, 4))
+    with pytest.raises(QueueFull) as refused:
+        c.add_request(EngineRequest("r3", 8, 4))
+    assert refused.value.reason == QUEUED_REQS == "max_num_queued_reqs"
+    s = c.stats()
+    assert (s.waiting, s.running) == (3, 0) and not c.abort_request("r3")
+    assert s.admission_rejections == {QUEUED_REQS: 1, QUEUED_TOKENS: 0}
+    c.step()  # all three run now: running requests count too (vLLM: waiting + running)
+    assert c.stats().running == 3 and c.admission() == QUEUED_REQS
+    run_to_end(c)
+    c.add_request(EngineRequest("r4", 8, 4))  # room again once they finished
+
+
+def test_queued_tokens_cap_counts_prompts_until_their_first_token() -> None:
+    # a 64-token budget chunks a 100-token prompt over two steps
+    c = core(max_num_queued_tokens=150, max_num_batched_tokens=64)
+    c.add_request(EngineRequest("a", 100, 4))
+    assert c.stats().prefill_tokens == 100
+    c.add_request(EngineRequest("b", 100, 4))  # 100 < 150: admitted, its own prompt not added
+    with pytest.raises(QueueFull) as refused:
+        c.add_request(EngineRequest("c", 1, 4))  # 200 >= 150
+    assert refused.value.reason == QUEUED_TOKENS == "max_num_queued_tokens"
+    c.step()  # "a" ran 64 of its 100 prompt tokens: still all 100 count (no output yet)
+    assert c.stats().running == 1 and c.stats().prefill_tokens == 200
+    assert c.abort_request("b")  # a waiting request's prompt leaves the count with it
+    assert c.stats().prefill_tokens == 100
+    c.step()  # "a" finishes its prefill and emits its first token: out of the count
+    assert c.stats().prefill_tokens == 0 and c.admission() is None
+    assert c.stats().admission_rejections == {QUEUED_REQS: 0, QUEUED_TOKENS: 1}
+
+
+def test_request_cap_is_checked_first_and_zero_refuses_everything() -> None:
+    c = core(max_num_queued_reqs=0, max_num_queued_tokens=0)
+    with pytest.raises(QueueFull, match="max_num_queued_reqs"):
+        c.add_request(EngineRequest("a", 8, 4))
+    c = core(max_num_queued_tokens=0)
+    with pytest.raises(QueueFull, match="max_num_queued_tokens"):
+        c.add_request(EngineRequest("a", 8, 4))
+
+
+def test_no_caps_by_default() -> None:
+    c = core()
+    assert (c.profile.engine.max_num_queued_reqs, c.profile.engine.max_num_queued_tokens) == (
+        None,
+        None,
+    )
+    for i in range(300):
+        c.add_request(EngineRequest(f"r{i}", 1000, 4))
+    assert c.stats().waiting == 300 and c.admission() is None

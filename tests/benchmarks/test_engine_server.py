@@ -9,6 +9,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.engine.__main__ import count, make_app, parse_args
+from benchmarks.engine.server import build_app
+from conftest import serve
 from gateway.telemetry import parse_engine_metrics
 
 
@@ -172,3 +175,67 @@ def test_admin_slowdown_sets_the_capacity_knob(emulator) -> None:
     assert r.json() == {"slowdown": 2.0} and app.state.emulator.core.slowdown == 2.0
     assert httpx.post(f"{url}/admin/slowdown", json={"factor": 0}).status_code == 400
     httpx.post(f"{url}/admin/slowdown", json={"factor": 1.0})
+
+
+# -- vLLM >= 0.32's admission valve: --max-num-queued-reqs / --max-num-queued-tokens ------
+
+BUSY = (
+    "The engine is currently busy and cannot accept new requests. "
+    "Please try again later or on a different instance."
+)
+BACKLOG = (
+    "The engine has reached its prefill token backlog limit. "
+    "Please try again later or on a different instance."
+)
+
+
+def refused(url: str) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/completions", json={"model": "cpu-tiny", "prompt": "hi", "max_tokens": 2}
+    )
+
+
+def test_full_request_cap_answers_vllms_503_and_counts_it() -> None:
+    with serve(build_app("cpu-tiny", max_num_queued_reqs=1)) as url:
+        reasons = ("max_num_queued_reqs", "max_num_queued_tokens")
+        assert [metric(url, "vllm:admission_rejections_total", reason=r) for r in reasons] == [0, 0]
+        body = {"model": "cpu-tiny", "prompt": "x" * 400, "max_tokens": 1500, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as r:
+            chunks = r.iter_raw()  # keep it: a dropped iterator closes the connection
+            assert next(chunks).startswith(b"data: ")  # the one slot is taken
+            for _ in range(2):
+                answer = refused(url)
+                assert answer.status_code == 503 and "retry-after" not in answer.headers
+                assert answer.json() == {
+                    "error": {
+                        "message": BUSY,
+                        "type": "Service Unavailable",
+                        "param": None,
+                        "code": 503,
+                    }
+                }
+            assert metric(url, "vllm:num_requests_running") == 1  # never entered the engine
+            assert metric(url, "vllm:num_requests_waiting") == 0
+        rejections = [metric(url, "vllm:admission_rejections_total", reason=r) for r in reasons]
+        assert rejections == [2, 0]
+        assert metric(url, "vllm:request_success_total", finished_reason="length") == 0
+
+
+def test_full_token_cap_answers_vllms_backlog_503() -> None:
+    with serve(build_app("cpu-tiny", max_num_queued_tokens=0)) as url:  # 0 >= 0: all refused
+        answer = refused(url)
+        assert answer.status_code == 503 and answer.json()["error"]["message"] == BACKLOG
+        assert metric(url, "vllm:admission_rejections_total", reason="max_num_queued_tokens") == 1
+        assert metric(url, "vllm:admission_rejections_total", reason="max_num_queued_reqs") == 0
+
+
+def test_cli_takes_both_flags_as_vllm_spells_them() -> None:
+    args = parse_args(["--max-num-queued-reqs", "64", "--max-num-queued-tokens", "2.5k"])
+    engine = make_app(args).state.emulator.profile.engine
+    assert (engine.max_num_queued_reqs, engine.max_num_queued_tokens) == (64, 2500)
+    engine = make_app(parse_args([])).state.emulator.profile.engine
+    assert (engine.max_num_queued_reqs, engine.max_num_queued_tokens) == (None, None)
+    assert [count(t) for t in ("0", "1280", "32k", "1K", "1m")] == [0, 1280, 32000, 1024, 10**6]
+    for bad in ("-1", "abc", "1.5K", "1.5", "k", ""):
+        with pytest.raises(SystemExit):
+            parse_args(["--max-num-queued-tokens", bad])
