@@ -15,7 +15,10 @@ request in the core at once (blocks freed, counted as finished_reason="abort").
 `max_num_queued_reqs` / `max_num_queued_tokens` (vLLM >= 0.32's flags; None: no cap) are
 checked by the core when a request arrives, after it parsed: a refused request is answered
 503 with vLLM's body (protocol.queue_full), counted in vllm:admission_rejections_total{reason}
-and never enters the engine. The relay profile has no engine and no caps.
+and never enters the engine. The relay profile has no engine and no caps. Two differences
+from vLLM, both small: the core counts a first token (or a finish) when it schedules the step,
+up to one step before vLLM's frontend would see it; and a request is parsed first, so a bad
+one is a 400 even while the engine is full (vLLM checks admission before it renders too).
 """
 
 from __future__ import annotations
