@@ -18,7 +18,8 @@ checked by the core when a request arrives, after it parsed: a refused request i
 and never enters the engine. The relay profile has no engine and no caps. Two differences
 from vLLM, both small: the core counts a first token (or a finish) when it schedules the step,
 up to one step before vLLM's frontend would see it; and a request is parsed first, so a bad
-one is a 400 even while the engine is full (vLLM checks admission before it renders too).
+one is a 400 even while the engine is full (vLLM 0.29+ checks admission before it renders the
+prompt, so there it is a 503).
 """
 
 from __future__ import annotations
