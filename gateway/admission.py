@@ -8,11 +8,22 @@ very code.
     release(up, now, t) -> tickets newly dispatched because a slot (and t tokens) freed
                            (= free(up, t) + note_completion(now) + pump(now))
     pump(now)           -> tickets dispatched because a limit grew
-    expire(now)         -> tickets whose class wait timeout passed (503 queue_timeout)
+    expire(now)         -> tickets whose deadline passed (503 queue_timeout): the class's
+                           wait cap, or its TTFT objective less the engine's expected TTFT
+    take_late()         -> the heads `pump` skipped past their deadline (answer them now)
     withdraw(ticket)    -> remove one queued ticket (its waiter timed out first)
     close()             -> shutting down: every queued ticket, removed; later offers refused
     reroute(ticket, now)-> another upstream for a dispatched ticket whose upstream could not
                            be reached (its slot freed, no completion counted), or None
+
+The queue is bounded by time as well as by count. Each class has a TTFT objective, seconds
+from a request's arrival to its first token (a request may carry a tighter one). On offer,
+a request that cannot be admitted at once is refused (429 `over_objective`) when its
+predicted first token, (queued ahead + 1) / the measured completion rate + the engine's own
+recent TTFT, is later than its objective: told at once, not after waiting. A queued request
+leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its objective less the
+engine's TTFT has passed, and is never dispatched after that: the engine does no work for
+a user who will see a miss or has left.
 
 Dispatch order: higher `priority` classes first, FIFO within a class. A request
 goes to the usable upstream with the most free room, measured as in-flight / limit.
@@ -47,7 +58,8 @@ __all__ = [
 
 class RejectReason(enum.Enum):
     QUEUE_FULL = "queue_full"  # 429: capacity exists, but not now
-    QUEUE_TIMEOUT = "queue_timeout"  # 503: waited past the class's timeout
+    QUEUE_TIMEOUT = "queue_timeout"  # 503: waited past the class's timeout or objective
+    OVER_OBJECTIVE = "over_objective"  # 429: could not be served within its objective now
     NO_UPSTREAM = "no_upstream"  # 503: nothing usable to send to
     SHUTTING_DOWN = "shutting_down"  # 503: the gateway is draining for shutdown
 
@@ -60,6 +72,7 @@ class ClassPolicy:
     priority: int = 0  # higher is dispatched first
     max_wait: float = 30.0  # seconds in the queue before 503
     queue_share: float = 1.0  # fraction of the queue's capacity this class may fill
+    ttft_objective: float = math.inf  # seconds from arrival to the first token
 
 
 @dataclass(slots=True)
@@ -95,7 +108,8 @@ class Ticket:
     arrived_at: float
     payload: Any = None
     tokens: int = 0  # the prompt's size estimate, for controllers with a token budget
-    deadline: float = math.inf
+    deadline: float = math.inf  # set when queued: leave the queue (503) by then
+    ttft_objective: float = math.inf  # the request's own objective (it can only tighten)
     upstream: UpstreamState | None = None  # set at dispatch
     dispatched_at: float | None = None
     inflight_at_admit: int = 0
@@ -168,6 +182,10 @@ class AdmissionQueue:
     _queues: dict[str, deque[Ticket]] = field(default_factory=dict, init=False)
     _order: list[str] = field(default_factory=list, init=False)
     _completions: _CompletionRate = field(default_factory=_CompletionRate, init=False)
+    _late: list[Ticket] = field(default_factory=list, init=False)  # set aside by `pump`
+    engine_ttft: float = field(default=0.0, init=False)  # EWMA, dispatch to first token
+    _ttft_seen: int = field(default=0, init=False)
+    _TTFT_WEIGHT = 0.1  # of one first token in `engine_ttft`
     closed: bool = field(default=False, init=False)  # shutting down: every offer is refused
 
     def __post_init__(self) -> None:
@@ -209,6 +227,9 @@ class AdmissionQueue:
     def completion_rate(self) -> float:
         return self._completions.per_second
 
+    def _clamp(self, seconds: float) -> int:
+        return int(max(self.retry_after_min, min(self.retry_after_max, math.ceil(seconds))))
+
     def retry_after(self, ahead: int) -> int:
         """Seconds until `ahead` queued requests have likely been served, clamped.
 
@@ -241,6 +262,17 @@ class AdmissionQueue:
             if up is not None:
                 self._dispatch(ticket, up, now)
                 return Admitted(up)
+        policy = self.classes[cls]
+        objective = min(policy.ttft_objective, ticket.ttft_objective)
+        wait = self.predicted_wait(ahead)
+        if wait is not None and wait > objective:
+            ra = self._clamp(wait - objective)
+            return Rejected(
+                RejectReason.OVER_OBJECTIVE,
+                ra,
+                f"cannot serve a first token within {objective:g}s now ({ahead} waiting, "
+                f"~{wait:.1f}s predicted); retry after {ra}s",
+            )
         if len(self._queues[cls]) >= self.capacity(cls) or self.depth() >= self.max_queue:
             ra = self.retry_after(self.depth())
             return Rejected(
@@ -249,7 +281,9 @@ class AdmissionQueue:
                 f"admission queue for class '{cls}' is full "
                 f"({len(self._queues[cls])}/{self.capacity(cls)}); retry after {ra}s",
             )
-        ticket.deadline = now + self.classes[cls].max_wait
+        # past its objective a first token is a miss the user may not wait for: never sent
+        # on, it is answered then (the engine TTFT it would still need is left for it)
+        ticket.deadline = now + min(policy.max_wait, objective - self.engine_ttft)
         self._queues[cls].append(ticket)
         return Queued(ahead)
 
@@ -272,11 +306,15 @@ class AdmissionQueue:
         self._completions.note(now)
 
     def pump(self, now: float) -> list[Ticket]:
-        """Dispatch queued tickets while some upstream has room."""
+        """Dispatch queued tickets while some upstream has room. A head whose deadline has
+        passed is never dispatched: it waits for `expire`, which returns it."""
         out: list[Ticket] = []
         for name in self._order:
             q = self._queues[name]
             while q:
+                if q[0].deadline <= now:
+                    self._late.append(q.popleft())
+                    continue
                 up = self._pick(q[0].tokens)
                 if up is None:
                     return out
@@ -286,12 +324,37 @@ class AdmissionQueue:
         return out
 
     def expire(self, now: float) -> list[Ticket]:
-        """Remove and return tickets whose wait deadline has passed."""
-        out: list[Ticket] = []
-        for q in self._queues.values():
-            while q and q[0].deadline <= now:
-                out.append(q.popleft())
+        """Remove and return tickets whose deadline has passed (and those `pump` set aside).
+
+        A request's own objective can make its deadline earlier than those ahead of it, so
+        every queued ticket is looked at (the queue is bounded: `max_queue`)."""
+        out, self._late = self._late, []
+        for name, q in self._queues.items():
+            if any(t.deadline <= now for t in q):
+                late = [t for t in q if t.deadline <= now]
+                self._queues[name] = deque(t for t in q if t.deadline > now)
+                out.extend(late)
         return out
+
+    def take_late(self) -> list[Ticket]:
+        """The heads `pump` set aside past their deadline (cheap: no scan), removed."""
+        late, self._late = self._late, []
+        return late
+
+    def predicted_wait(self, ahead: int) -> float | None:
+        """Seconds from now to the first token of a request with `ahead` queued before it:
+        their service at the measured completion rate, then the engine's own time to first
+        token. None until completions have been measured (then nothing is refused)."""
+        rate = self._completions.per_second
+        if rate <= 0:
+            return None
+        return (ahead + 1) / rate + self.engine_ttft
+
+    def note_ttft(self, seconds: float) -> None:
+        """A first token came `seconds` after dispatch: the engine's part of the wait."""
+        a = self._TTFT_WEIGHT if self._ttft_seen else 1.0
+        self.engine_ttft += a * (seconds - self.engine_ttft)
+        self._ttft_seen += 1
 
     def withdraw(self, ticket: Ticket) -> bool:
         """Remove a queued ticket; False when it was already dispatched or expired."""
@@ -343,12 +406,15 @@ class AdmissionQueue:
 
     def timeout_rejection(self, ticket: Ticket) -> Rejected:
         policy = self.classes.get(ticket.cls)
-        wait = policy.max_wait if policy else 0.0
+        cap = policy.max_wait if policy else 0.0
+        waited = ticket.deadline - ticket.arrived_at
         ra = self.retry_after(self.depth())
+        why = (f"queue wait exceeded {cap:g}s" if waited >= cap - 1e-6 else
+               f"no slot in time for a first token within the objective "
+               f"({waited:.1f}s waited)")
         return Rejected(
-            RejectReason.QUEUE_TIMEOUT,
-            ra,
-            f"queue wait exceeded {wait:g}s for class '{ticket.cls}'; retry after {ra}s",
+            RejectReason.QUEUE_TIMEOUT, ra,
+            f"{why} for class '{ticket.cls}'; retry after {ra}s",
         )
 
     # --- internals -----------------------------------------------------------------

@@ -74,7 +74,7 @@ Prepare = Callable[[GatewayConfig], GatewayConfig]
 
 def _policies(cfg: GatewayConfig) -> dict[str, ClassPolicy]:
     return {
-        name: ClassPolicy(name, c.priority, c.max_wait, c.queue_share)
+        name: ClassPolicy(name, c.priority, c.max_wait, c.queue_share, c.ttft_objective)
         for name, c in cfg.classes.items()
     }
 

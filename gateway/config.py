@@ -169,6 +169,10 @@ class ClassConfig(_Frozen):
     queue_share: float = Field(1.0, gt=0, le=1, description="fraction of max_queue it may fill")
     header: bool = Field(
         False, description="a request may pick this class with class_header (API keys win)")
+    ttft_objective: float = Field(
+        2.0, gt=0, le=3600,
+        description="seconds from arrival to the first token; a request that cannot make it is "
+        "refused at once (429 over_objective), one queued past it is answered 503")
 
 
 class TimeoutConfig(_Frozen):

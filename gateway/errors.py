@@ -5,11 +5,13 @@
     └── HTTPError              answered to the caller as an OpenAI-style error body
         ├── Rejection          admission said no; always carries Retry-After
         │   ├── QueueFull          429 queue_full
+        │   ├── OverObjective      429 over_objective: no first token within the objective now
         │   ├── QueueTimeout       503 queue_timeout
         │   ├── NoUpstream         503 no_upstream
         │   ├── TooManyConnections 503 too_many_connections: over limits.max_connections
         │   └── ShuttingDown       503 shutting_down: the gateway is draining
         ├── InvalidPath        400: '%2F', '%5C' or '\\' in the path (ambiguous)
+        ├── InvalidHeader      400: a kneegate request header with a value it cannot use
         ├── NotFound           404: not a proxied path (never an open proxy)
         ├── MethodNotAllowed   405: a method the OpenAI API does not use (with Allow)
         ├── BodyTooLarge       413: over max_body_bytes (closes the connection)
@@ -43,11 +45,13 @@ __all__ = [
     "ConfigError",
     "HTTPError",
     "HeadersTooLarge",
+    "InvalidHeader",
     "InvalidPath",
     "KneegateError",
     "MethodNotAllowed",
     "NoUpstream",
     "NotFound",
+    "OverObjective",
     "QueueFull",
     "QueueTimeout",
     "Rejection",
@@ -88,6 +92,7 @@ class HTTPError(KneegateError):
 
     def __init__(self, message: str) -> None:
         self.message = message
+        self.param: str | None = None  # the request field at fault, where there is one
         super().__init__(message)
 
     def extra_headers(self) -> list[tuple[bytes, bytes]]:
@@ -114,6 +119,10 @@ class QueueFull(Rejection):
     status, type, code, reason = 429, "rate_limit_error", "queue_full", "queue_full"
 
 
+class OverObjective(Rejection):
+    status, type, code, reason = 429, "rate_limit_error", "over_objective", "over_objective"
+
+
 class QueueTimeout(Rejection):
     status, type, code, reason = 503, "server_error", "queue_timeout", "queue_timeout"
 
@@ -128,6 +137,14 @@ class TooManyConnections(Rejection):
 
 class ShuttingDown(Rejection):
     status, type, code, reason = 503, "server_error", "shutting_down", "shutting_down"
+
+
+class InvalidHeader(HTTPError):
+    status, type, code = 400, "invalid_request_error", "invalid_header"
+
+    def __init__(self, message: str, header: str) -> None:
+        super().__init__(message)
+        self.param = header
 
 
 class InvalidPath(HTTPError):
@@ -203,7 +220,8 @@ class UpstreamConnectTimeout(UpstreamTimeout):
 def render(exc: HTTPError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """The one wire format: (status, headers, body) for an HTTPError."""
     body = json.dumps(
-        {"error": {"message": exc.message, "type": exc.type, "param": None, "code": exc.code}}
+        {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
+                   "code": exc.code}}
     ).encode()
     headers = [
         (b"content-type", b"application/json"),

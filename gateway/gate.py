@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Iterable
 
@@ -28,7 +29,14 @@ from gateway.admission import (
     RejectReason,
     Ticket,
 )
-from gateway.errors import NoUpstream, QueueFull, QueueTimeout, Rejection, ShuttingDown
+from gateway.errors import (
+    NoUpstream,
+    OverObjective,
+    QueueFull,
+    QueueTimeout,
+    Rejection,
+    ShuttingDown,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.types import Clock
 from gateway.upstreams import Upstream
@@ -39,6 +47,7 @@ log = logging.getLogger("kneegate")
 
 _REJECTIONS: dict[RejectReason, type[Rejection]] = {
     RejectReason.QUEUE_FULL: QueueFull,
+    RejectReason.OVER_OBJECTIVE: OverObjective,
     RejectReason.QUEUE_TIMEOUT: QueueTimeout,
     RejectReason.NO_UPSTREAM: NoUpstream,
     RejectReason.SHUTTING_DOWN: ShuttingDown,
@@ -107,11 +116,12 @@ class Gate:
             if up.usable:
                 self._notify(up, "on_arrival", tokens)
 
-    async def acquire(self, cls: str, tokens: int = 0) -> Permit:
+    async def acquire(self, cls: str, tokens: int = 0, objective: float = math.inf) -> Permit:
         """A permit now, a permit after waiting in the queue, or a Rejection raised.
-        `tokens`: the prompt's size estimate, for controllers with a token budget."""
+        `tokens`: the prompt's size estimate, for controllers with a token budget;
+        `objective`: the request's own TTFT objective, seconds (tightens its class's)."""
         now = self.clock()
-        ticket = Ticket(cls, now, tokens=tokens)
+        ticket = Ticket(cls, now, tokens=tokens, ttft_objective=objective)
         m = self.metrics
         m.child(m.received, cls).inc()
         decision = self.queue.offer(ticket, now)
@@ -143,7 +153,7 @@ class Gate:
             up = self._upstream(ticket)
             self.queue.free(up, ticket.tokens)
             self.metrics.shed.labels(ticket.cls, "client_gone").inc()
-            self._wake(self.queue.pump(self.clock()))
+            self._pump(self.clock())
         elif self.queue.withdraw(ticket):
             self.metrics.shed.labels(ticket.cls, "client_gone").inc()
 
@@ -189,8 +199,10 @@ class Gate:
         if sample is not None and not outcome.is_client:
             self._notify(up, "on_sample", sample)
             ttft, tpot, tokens = sample.ttft, sample.tpot, sample.output_tokens
+            if ttft is not None and outcome is Outcome.OK:
+                self.queue.note_ttft(ttft)  # the engine's part of a predicted wait
         self.metrics.count_finished(up.name, outcome, ttft, tpot, tokens)
-        self._wake(self.queue.pump(now))
+        self._pump(now)
 
     def _notify(self, up: Upstream, hook: str, *args: object) -> None:
         """`up.controller.<hook>(*args)`; what it raises is logged (once) and counted."""
@@ -227,8 +239,18 @@ class Gate:
         now = self.clock()
         for up in upstreams:
             self._notify(up, "on_tick", now, up.inflight)
+        self._pump(now)
+        self._time_out(self.queue.expire(now))
+
+    def _pump(self, now: float) -> None:
+        """Dispatch what fits; answer at once the heads `pump` found past their deadline."""
         self._wake(self.queue.pump(now))
-        for t in self.queue.expire(now):
+        late = self.queue.take_late()
+        if late:
+            self._time_out(late)
+
+    def _time_out(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
             self.metrics.queue_timeout.labels(t.cls).inc()
             fut: asyncio.Future[Rejected | None] = t.payload
             if not fut.done():
@@ -249,4 +271,4 @@ class Gate:
 
     def pump(self) -> None:
         """Dispatch queued tickets after limits or upstream health changed."""
-        self._wake(self.queue.pump(self.clock()))
+        self._pump(self.clock())

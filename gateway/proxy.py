@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +46,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import (
     BodyTooLarge,
     HTTPError,
+    InvalidHeader,
     InvalidPath,
     Rejection,
     ShuttingDown,
@@ -235,7 +237,12 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         s = self.settings
-        headers, rid, cls, length = self._forward_headers(scope, s)
+        headers, rid, cls, length, ttft_ms = self._forward_headers(scope, s)
+        try:
+            objective = _objective(ttft_ms)
+        except InvalidHeader as exc:
+            await send_error(send, exc, [(b"x-request-id", rid)])
+            return
         try:
             if length is not None and int(length) > s.max_body:
                 # said up front: answer before reading any of it
@@ -260,7 +267,7 @@ class Proxy:
         else:
             watcher = asyncio.create_task(_watch(receive, ex))
         try:
-            await self._serve(ex, scope, send, headers, body, rid, cls, writer)
+            await self._serve(ex, scope, send, headers, body, rid, cls, writer, objective)
         except asyncio.CancelledError:
             if ex.aborted is None:
                 raise
@@ -297,10 +304,11 @@ class Proxy:
 
     def _forward_headers(
         self, scope: Scope, s: ProxySettings
-    ) -> tuple[list[tuple[bytes, bytes]], bytes, str, bytes | None]:
-        """Headers for the engine, the request id, the class, and the Content-Length."""
+    ) -> tuple[list[tuple[bytes, bytes]], bytes, str, bytes | None, bytes | None]:
+        """Headers for the engine, the request id, the class, the Content-Length and the
+        request's own TTFT objective (`x-kneegate-ttft-ms`, ours: not forwarded)."""
         out: list[tuple[bytes, bytes]] = []
-        xff = rid = cls_value = auth = length = None
+        xff = rid = cls_value = auth = length = ttft = None
         for k, v in scope["headers"]:
             if k in HOP_BY_HOP:
                 if k == b"content-length" and v.isdigit():  # the parser checked it already
@@ -308,6 +316,9 @@ class Proxy:
                 continue
             if k == b"x-forwarded-for":
                 xff = v
+                continue
+            if k == TTFT_HEADER:
+                ttft = v
                 continue
             if k == b"x-request-id":
                 rid = v
@@ -324,11 +335,11 @@ class Proxy:
             xff = client[0].encode() if xff is None else xff + b", " + client[0].encode()
         if xff is not None:
             out.append((b"x-forwarded-for", xff))
-        return out, rid, s.classify(cls_value, auth), length
+        return out, rid, s.classify(cls_value, auth), length, ttft
 
     async def _serve(
         self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[bytes, bytes]],
-        body: bytes, rid: bytes, cls: str, writer: BodyWriter | None,
+        body: bytes, rid: bytes, cls: str, writer: BodyWriter | None, objective: float,
     ) -> None:
         # A leading signal of the KV footprint: about 4 bytes a token (JSON overhead is a
         # constant factor: controllers use ratios of sizes, or put estimates into tokens by
@@ -339,7 +350,7 @@ class Proxy:
         size = len(body) // 4
         self.gate.arrival(self.pool.active, size)
         try:
-            permit = await self.gate.acquire(cls, size)
+            permit = await self.gate.acquire(cls, size, objective)
         except Rejection as exc:
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
@@ -481,6 +492,25 @@ class Proxy:
                     ex.abort(Outcome.TIMEOUT)
             elif now - ex.seen_at > idle:
                 ex.abort(Outcome.CLIENT_STALLED if ex.sending else Outcome.TIMEOUT)
+
+
+TTFT_HEADER = b"x-kneegate-ttft-ms"
+
+
+def _objective(value: bytes | None) -> float:
+    """The request's own TTFT objective in seconds from `x-kneegate-ttft-ms` (inf: none).
+    It can only tighten its class's; a value that is not a positive number is a 400."""
+    if value is None:
+        return math.inf
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not (0 < ms < math.inf):
+        raise InvalidHeader(
+            f"x-kneegate-ttft-ms must be a positive number of milliseconds, got "
+            f"{value[:32].decode('latin-1')!r}", "x-kneegate-ttft-ms")
+    return ms / 1000
 
 
 def _body_writer(scope: Scope) -> BodyWriter | None:

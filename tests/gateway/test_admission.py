@@ -38,15 +38,15 @@ def test_higher_class_goes_first_and_share_caps_a_class() -> None:
     ups = pool(1)
     q = AdmissionQueue(ups, CLASSES, max_queue=4)
     q.offer(Ticket("lo", 0.0), 0.0)
-    lo, hi1, hi2 = Ticket("lo", 1.0), Ticket("hi", 2.0), Ticket("hi", 3.0)
+    lo, hi1, hi2 = Ticket("lo", 1.0), Ticket("hi", 2.0), Ticket("hi", 2.1)
     assert q.offer(lo, 1.0) == Queued(0)
     assert q.offer(hi1, 2.0) == Queued(0)  # nothing of its rank or higher waits
-    assert q.offer(hi2, 3.0) == Queued(1)
-    third = q.offer(Ticket("hi", 4.0), 4.0)  # hi may fill half of 4
+    assert q.offer(hi2, 2.1) == Queued(1)
+    third = q.offer(Ticket("hi", 2.2), 2.2)  # hi may fill half of 4
     assert isinstance(third, Rejected) and third.reason is RejectReason.QUEUE_FULL
-    assert q.release(ups[0], 5.0) == [hi1]
-    assert q.release(ups[0], 6.0) == [hi2]
-    assert q.release(ups[0], 7.0) == [lo]
+    assert q.release(ups[0], 2.3) == [hi1]
+    assert q.release(ups[0], 2.4) == [hi2]
+    assert q.release(ups[0], 2.5) == [lo]
 
 
 def test_expire_and_withdraw() -> None:
@@ -153,3 +153,79 @@ def test_reroute_frees_the_unreachable_slot_without_a_completion() -> None:
     assert isinstance(q.offer(other, 2.0), Queued)  # u1 is full, u0 unusable
     assert q.reroute(t, 3.0) is None  # no other upstream has room: the ticket stays
     assert t.upstream is ups[1] and ups[1].inflight == 1
+
+
+# --- the queue bounded by time (issue 12) -------------------------------------------
+
+OBJ = {"chat": ClassPolicy("chat", priority=0, max_wait=30.0, ttft_objective=2.0)}
+
+
+def _warm(q: AdmissionQueue, rate: float, n: int = 40) -> float:
+    """`n` completions at `rate` per second ending at the returned time (t0 = 100)."""
+    for i in range(n):
+        q.note_completion(100.0 + i / rate)
+    return 100.0 + (n - 1) / rate
+
+
+def test_a_request_that_cannot_meet_its_objective_is_told_at_once() -> None:
+    # 4 completions/s, engine TTFT 0.25 s: the k-th queued request's first token comes
+    # (k + 1) / 4 + 0.25 s from now; with a 2 s objective 6 may wait (k = 0..5: 1.75 s),
+    # the 7th (k = 6: 2.0 s) still fits, the 8th (2.25 s) is refused with Retry-After 1
+    ups = pool(1)
+    q = AdmissionQueue(ups, OBJ, max_queue=64)
+    now = _warm(q, 4.0)
+    q.note_ttft(0.25)
+    assert isinstance(q.offer(Ticket("chat", now), now), Admitted)
+    decisions = [q.offer(Ticket("chat", now), now) for _ in range(8)]
+    assert decisions[:7] == [Queued(k) for k in range(7)]
+    refused = decisions[7]
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
+    assert refused.retry_after == 1
+    assert q.depth() == 7
+
+
+def test_a_request_may_tighten_its_objective() -> None:
+    ups = pool(1)
+    q = AdmissionQueue(ups, OBJ, max_queue=64)
+    now = _warm(q, 4.0)
+    q.offer(Ticket("chat", now), now)
+    tight = q.offer(Ticket("chat", now, ttft_objective=0.2), now)  # 1 / 4 > 0.2
+    assert isinstance(tight, Rejected) and tight.reason is RejectReason.OVER_OBJECTIVE
+    loose = q.offer(Ticket("chat", now, ttft_objective=60.0), now)  # cannot loosen: 2 s
+    assert loose == Queued(0)
+
+
+def test_nothing_is_refused_before_a_rate_is_measured() -> None:
+    ups = pool(1)
+    q = AdmissionQueue(ups, OBJ, max_queue=64)
+    q.offer(Ticket("chat", 0.0), 0.0)
+    assert [q.offer(Ticket("chat", 0.0), 0.0) for _ in range(3)] == [
+        Queued(0), Queued(1), Queued(2)]
+
+
+def test_a_request_past_its_objective_is_never_dispatched() -> None:
+    # engine TTFT 0.5 s: a request queued at t must be sent by t + 1.5 or not at all
+    ups = pool(1)
+    q = AdmissionQueue(ups, OBJ, max_queue=64)
+    q.note_ttft(0.5)
+    first = Ticket("chat", 0.0)
+    q.offer(first, 0.0)
+    late, early = Ticket("chat", 0.0), Ticket("chat", 1.0)
+    q.offer(late, 0.0)
+    q.offer(early, 1.0)
+    assert (late.deadline, early.deadline) == (1.5, 2.5)
+    assert q.release(ups[0], 1.6) == [early]  # the slot skips the one past its deadline
+    assert q.expire(1.6) == [late]  # which is answered now (503), never sent on
+    assert q.timeout_rejection(late).reason is RejectReason.QUEUE_TIMEOUT
+    assert "objective" in q.timeout_rejection(late).message
+
+
+def test_a_tighter_objective_behind_expires_first() -> None:
+    ups = pool(1)
+    q = AdmissionQueue(ups, OBJ, max_queue=64)
+    q.offer(Ticket("chat", 0.0), 0.0)
+    loose, tight = Ticket("chat", 0.0), Ticket("chat", 0.0, ttft_objective=0.5)
+    q.offer(loose, 0.0)
+    q.offer(tight, 0.0)
+    assert q.expire(0.6) == [tight]
+    assert q.depth() == 1

@@ -1,0 +1,101 @@
+"""The queue bounded by time, over real sockets (issue 12): a request is answered by its
+objective, measured from arrival, and one past it never reaches the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import httpx
+import pytest
+from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
+
+from gateway.app import build_app
+
+pytestmark = pytest.mark.anyio
+
+
+class Rig:
+    def __init__(self, engine: FakeEngine, gw: str, client: httpx.AsyncClient) -> None:
+        self.engine, self.gw, self.client = engine, gw, client
+
+    async def post(self, headers: dict[str, str] | None = None, **body: object
+                   ) -> httpx.Response:
+        return await self.client.post(self.gw + "/v1/completions",
+                                      json={"max_tokens": 1, **body}, headers=headers)
+
+    async def hog(self) -> asyncio.Task[httpx.Response]:
+        """Take the only slot with a request the engine holds until cancelled."""
+        self.engine.started.clear()
+        task = asyncio.create_task(self.post(max_tokens=1, stream=True))
+        with anyio.fail_after(5):
+            await self.engine.started.wait()
+        return task
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    engine = FakeEngine()
+    async with serve(engine) as up:
+        app = build_app(gw_config(up, limit=1, classes={"default": {"ttft_objective": 0.4}}))
+        async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
+            yield Rig(engine, gw, client)
+            m = scrape((await client.get(gw + "/metrics")).text)
+            assert total(m, "kneegate_in_flight") == 0
+            assert_conserved(m)
+
+
+async def test_a_request_queued_past_its_objective_never_reaches_the_engine(rig: Rig) -> None:
+    rig.engine.first_delay = 30
+    hog = await rig.hog()
+    t0 = time.monotonic()
+    r = await rig.post()  # queued behind the hog: no slot within the class's 0.4 s
+    waited = time.monotonic() - t0
+    assert r.status_code == 503
+    assert r.headers["x-kneegate-reject-reason"] == "queue_timeout"
+    assert "objective" in r.json()["error"]["message"]
+    assert 0.35 <= waited < 2.0  # answered at its objective (tick granularity), not later
+    hog.cancel()
+    with anyio.fail_after(5):
+        await rig.engine.aborted.wait()
+    rig.engine.first_delay = 0
+    assert (await rig.post()).status_code == 200
+    assert rig.engine.requests == 2  # the hog and the last one: never the expired one
+
+
+async def test_the_header_tightens_the_objective(rig: Rig) -> None:
+    rig.engine.first_delay = 30
+    hog = await rig.hog()
+    t0 = time.monotonic()
+    r = await rig.post(headers={"x-kneegate-ttft-ms": "100"})
+    assert r.status_code == 503 and time.monotonic() - t0 < 0.35  # 0.1 s, not the class's 0.4
+    r = await rig.post(headers={"x-kneegate-ttft-ms": "60000"})  # cannot loosen it
+    assert r.status_code == 503
+    hog.cancel()
+    assert rig.engine.requests == 1
+
+
+async def test_a_request_that_cannot_make_it_is_told_at_once(rig: Rig) -> None:
+    for _ in range(6):  # completions to measure a rate from
+        assert (await rig.post()).status_code == 200
+    rig.engine.first_delay = 30
+    hog = await rig.hog()
+    t0 = time.monotonic()
+    r = await rig.post(headers={"x-kneegate-ttft-ms": "1"})  # no slot could come in 1 ms
+    assert time.monotonic() - t0 < 0.3  # told at once, not after waiting
+    assert r.status_code == 429
+    assert r.headers["x-kneegate-reject-reason"] == "over_objective"
+    assert int(r.headers["retry-after"]) >= 1
+    hog.cancel()
+    assert rig.engine.requests == 7
+
+
+@pytest.mark.parametrize("value", ["soon", "-5", "0", "nan", "inf", ""])
+async def test_a_malformed_objective_header_is_a_400_naming_it(rig: Rig, value: str) -> None:
+    r = await rig.post(headers={"x-kneegate-ttft-ms": value})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "invalid_header" and err["param"] == "x-kneegate-ttft-ms"
+    assert rig.engine.requests == 0
