@@ -10,7 +10,7 @@ very code.
     pump(now)           -> tickets dispatched because a limit grew
     expire(now)         -> tickets whose deadline passed (503 queue_timeout): the class's
                            wait cap, or its TTFT objective less the engine's expected TTFT
-    take_late()         -> the heads `pump` skipped past their deadline (answer them now)
+    take_late()         -> the heads `pump` skipped past their objective (answer them now)
     withdraw(ticket)    -> remove one queued ticket (its waiter timed out first)
     close()             -> shutting down: every queued ticket, removed; later offers refused
     reroute(ticket, now)-> another upstream for a dispatched ticket whose upstream could not
@@ -109,6 +109,7 @@ class Ticket:
     payload: Any = None
     tokens: int = 0  # the prompt's size estimate, for controllers with a token budget
     deadline: float = math.inf  # set when queued: leave the queue (503) by then
+    due: float = math.inf  # set when queued: never dispatched from then (its objective)
     ttft_objective: float = math.inf  # the request's own objective (it can only tighten)
     upstream: UpstreamState | None = None  # set at dispatch
     dispatched_at: float | None = None
@@ -283,7 +284,8 @@ class AdmissionQueue:
             )
         # past its objective a first token is a miss the user may not wait for: never sent
         # on, it is answered then (the engine TTFT it would still need is left for it)
-        ticket.deadline = now + min(policy.max_wait, objective - self.engine_ttft)
+        ticket.due = now + objective - self.engine_ttft
+        ticket.deadline = min(now + policy.max_wait, ticket.due)
         self._queues[cls].append(ticket)
         return Queued(ahead)
 
@@ -306,13 +308,14 @@ class AdmissionQueue:
         self._completions.note(now)
 
     def pump(self, now: float) -> list[Ticket]:
-        """Dispatch queued tickets while some upstream has room. A head whose deadline has
-        passed is never dispatched: it waits for `expire`, which returns it."""
+        """Dispatch queued tickets while some upstream has room. A head past its objective
+        (`due`) is never dispatched: it is set aside for `take_late` / `expire`. (`max_wait`
+        alone is enforced by `expire`, at the tick, as a cap on waiting.)"""
         out: list[Ticket] = []
         for name in self._order:
             q = self._queues[name]
             while q:
-                if q[0].deadline <= now:
+                if q[0].due <= now:
                     self._late.append(q.popleft())
                     continue
                 up = self._pick(q[0].tokens)
@@ -337,7 +340,7 @@ class AdmissionQueue:
         return out
 
     def take_late(self) -> list[Ticket]:
-        """The heads `pump` set aside past their deadline (cheap: no scan), removed."""
+        """The heads `pump` set aside past their objective (cheap: no scan), removed."""
         late, self._late = self._late, []
         return late
 
