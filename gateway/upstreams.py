@@ -40,7 +40,7 @@ frozen, and unusable, when both hold:
   no response head, no body chunk, since the later of the last such byte and the last
   tick at which it had nothing in flight (tick granularity).
 The next scrape that gets any HTTP answer makes it usable again. An upstream that is not
-scraped is left to the first-byte and idle timeouts.
+scraped, or not yet (detecting), is left to the first-byte and idle timeouts.
 
 Telemetry: a healthy scraped upstream's /metrics is read every `scrape_interval`; a scrape
 that does not answer within `stale_after` (default 3 intervals) is abandoned, and good
@@ -269,8 +269,9 @@ class UpstreamPool:
         """Frozen: failing scrapes and in-flight requests silent for stall_after."""
         if up.inflight == 0:
             up.idle_at = now
-        if up.frozen or up.config is None or up.scrape_failures < _FROZEN_SCRAPES:
-            return
+        if (up.frozen or up.config is None or not up.scraping
+                or up.scrape_failures < _FROZEN_SCRAPES):
+            return  # (failed detections do not count: an engine not yet known to be scraped)
         silent = now - max(up.idle_at, up.answered_at)
         if silent >= up.config.stall_after:
             log.warning("upstream %s unusable: %d scrapes failed and %d requests got nothing "

@@ -22,6 +22,7 @@ from gateway.cli import _parser, apply_flags
 from gateway.config import GatewayConfig, parse_config, split_for_worker
 from gateway.errors import ConfigError
 from gateway.server import embedded_upstream
+from gateway.upstreams import UpstreamPool
 
 pytestmark = pytest.mark.anyio
 
@@ -227,3 +228,33 @@ def test_ttft_objective_flag_lands_in_the_default_class() -> None:
     with pytest.raises(ConfigError) as info:
         apply_flags(GatewayConfig(), serve_args("--ttft-objective", "0"))
     assert info.value.field == "classes.default.ttft_objective"
+
+
+def test_failed_detections_never_judge_an_upstream_frozen() -> None:
+    # timeouts while detecting are counted like scrapes, but only a scraped upstream is
+    # judged frozen: one not known to serve vLLM's series is left to the request timeouts
+    pool = UpstreamPool(parse_config({"upstreams": [{"name": "a", "url": "http://h:1"}]}).upstreams)
+    up = pool.active[0]
+    assert up.scrape_state == "detecting"
+    up.inflight, up.scrape_failures = 1, 10
+    up.busy = True  # a detection in flight: the tick only judges silence
+    assert pool.background(None, 1e6) == []  # type: ignore[arg-type]
+    assert not up.frozen and up.usable
+    up.scraping = True  # the same evidence about a scraped upstream: frozen
+    pool.background(None, 2e6)  # type: ignore[arg-type]
+    assert up.frozen and not up.usable
+
+
+def test_a_reload_keeps_the_verdict_unless_the_metrics_url_changes() -> None:
+    def ups(url: str, **kw: Any) -> Any:
+        return parse_config({"upstreams": [{"name": "a", "url": url, **kw}]}).upstreams
+
+    pool = UpstreamPool(ups("http://h:1"))
+    up = pool.active[0]
+    up.scraping = False  # detected: no vLLM series
+    pool.reload(ups("http://h:1", stall_after=10.0))  # nothing about scraping changed
+    assert up.scrape_state == "not_vllm"
+    pool.reload(ups("http://h:2"))  # another engine: look again
+    assert up.scrape_state == "detecting" and up.progress is None
+    pool.reload(ups("http://h:2", scrape=True))
+    assert up.scrape_state == "on" and up.progress is not None
