@@ -19,7 +19,8 @@ Which upstreams are scraped: `scrape: true` or a `metrics_url` scrapes from the 
 `scrape: false` never. Unset (the default), the gateway *detects* it: its first scrape attempt
 (the first tick once the upstream is healthy, right after the start-up probe) reads
 `url + /metrics`, and the upstream is scraped from then on only when the answer is a 200
-whose text holds vLLM series (a `vllm:` name). A 200 without them or a 4xx means "not vLLM":
+whose text holds vLLM series (a `vllm:` name). Any other answer below 500 (a 404, a 200
+without them) means "not vLLM":
 no more scrapes, not counted as one, logged once. A timeout, a connect error or a 5xx decides
 nothing: counted like any failed scrape, and the next interval asks again. An upstream found
 not to be vLLM is asked again when it comes back after a failure (a connect failure marked it
