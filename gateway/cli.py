@@ -1,13 +1,16 @@
 """`kneegate`: serve, check-config, demo, and the benchmark tools.
 
     kneegate serve [--config FILE] [--upstream URL ...] [--host H] [--port P]
-                   [--controller NAME] [--limit N] [--workers N]
+                   [--controller NAME] [--limit N] [--workers N] [--ttft-objective S]
     kneegate check-config FILE        # exit 0, or 1 naming the field path and the reason
     kneegate demo                     # gateway + emulator + a load ramp past the knee
     kneegate engine|sweep|simulate …  # the tools in benchmarks/ (loaded only when asked)
 
 Flags override the file. `--limit N` sets every upstream's controller `initial` (and lifts
 its `max_limit` to at least N); with `--workers W` each worker gets its share of it.
+Untuned, an upstream runs `knee` and its /metrics is scraped when it shows vLLM series;
+`--controller fixed --limit N` pins the limit by hand. `--ttft-objective S` sets the
+default class's objective: seconds from a request's arrival to its first token.
 """
 
 from __future__ import annotations
@@ -32,9 +35,13 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="engine base URL; repeat for several (replaces the file's list)")
     p.add_argument("--host", help="bind address")
     p.add_argument("--port", type=int, help="listen port")
-    p.add_argument("--controller", help="controller for every upstream (fixed, aimd, ...)")
-    p.add_argument("--limit", type=int, help="initial concurrency limit per upstream")
+    p.add_argument("--controller",
+                   help="controller for every upstream (default knee; fixed to hand-tune, ...)")
+    p.add_argument("--limit", type=int,
+                   help="initial concurrency limit per upstream (fixed: the limit)")
     p.add_argument("--workers", type=int, help="processes sharing the port")
+    p.add_argument("--ttft-objective", type=float, metavar="SECONDS",
+                   help="the default class's time from arrival to first token (default 2)")
 
 
 def apply_flags(cfg: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
@@ -54,6 +61,10 @@ def apply_flags(cfg: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
             params["initial"] = args.limit
             params["max_limit"] = max(args.limit, params.get("max_limit", 1024))
             params["min_limit"] = min(args.limit, params.get("min_limit", 1))
+    # getattr: a caller's own Namespace may predate the flag
+    objective = getattr(args, "ttft_objective", None)
+    if objective is not None:
+        data["classes"][data["default_class"]]["ttft_objective"] = objective
     server = data["server"]
     for key in ("host", "port", "workers"):
         if getattr(args, key) is not None:

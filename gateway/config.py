@@ -77,13 +77,15 @@ class UpstreamConfig(_Frozen):
 
     name: str = Field(min_length=1, description="label in metrics and status")
     url: str = Field(description="base URL, e.g. http://10.0.0.5:8000 (no path)")
-    controller: str = Field("fixed", description="controller name from controllers.registry")
+    controller: str = Field(
+        "knee", description="controller name from controllers.registry; `fixed` to hand-tune")
     params: dict[str, Any] = Field(default_factory=dict, description="the controller's config")
     health_path: str = Field("/health", description="probed while the upstream is unusable")
     scrape: bool | None = Field(
-        None, description="scrape the engine's /metrics; unset: scrape when metrics_url is given")
+        None, description="scrape the engine's /metrics: true always, false never; unset: "
+        "always when metrics_url is given, else when url + '/metrics' shows vLLM series")
     metrics_url: str | None = Field(
-        None, description="engine /metrics to scrape; default url + '/metrics' when scrape is on")
+        None, description="engine /metrics to scrape; default url + '/metrics'")
     scrape_interval: float = Field(
         1.0, gt=0, le=60, description="seconds between engine scrapes (knee is tuned for 1 s)")
     stale_after: float | None = Field(
@@ -137,8 +139,16 @@ class UpstreamConfig(_Frozen):
 
     @property
     def scrape_url(self) -> str | None:
-        """The /metrics URL to scrape, or None when this upstream is not scraped."""
-        return None if self.scrape is False else self.metrics_url
+        """The engine's /metrics URL (metrics_url, or url + '/metrics'); None with scrape: false.
+        Whether it is scraped from the start or only once detected: `scrape_detect`."""
+        if self.scrape is False:
+            return None
+        return self.metrics_url or self.url + "/metrics"
+
+    @property
+    def scrape_detect(self) -> bool:
+        """Scraped only if scrape_url shows vLLM series (neither scrape nor metrics_url set)."""
+        return self.scrape is None and self.metrics_url is None
 
     @field_validator("controller")
     @classmethod
@@ -165,6 +175,9 @@ class ClassConfig(_Frozen):
     """One priority class."""
 
     priority: int = Field(0, description="higher classes are dispatched first")
+    ttft_objective: float = Field(
+        2.0, gt=0, le=3600,
+        description="seconds from arrival to first token the class is served within")
     max_wait: float = Field(30.0, gt=0, description="seconds in the queue before a 503")
     queue_share: float = Field(1.0, gt=0, le=1, description="fraction of max_queue it may fill")
     header: bool = Field(

@@ -200,7 +200,9 @@ def _emulator_app() -> Any:
 
 
 def embedded_upstream(port: int) -> Callable[[GatewayConfig], GatewayConfig]:
-    """`prepare` step: point a config without upstreams at the embedded emulator."""
+    """`prepare` step: point a config without upstreams at the embedded emulator. It runs
+    the default controller (`knee`) and is scraped from the start: it is known to serve
+    vLLM's series, so there is nothing to detect."""
     from gateway.config import UpstreamConfig
 
     def fill(cfg: GatewayConfig) -> GatewayConfig:

@@ -15,11 +15,23 @@ gateway probes every upstream at start-up (`first_contact`) and keeps probing an
 unconfirmed one with back-off; admission still sends it traffic meanwhile (an unanswered
 probe is no verdict), but `/ready` counts only upstreams both usable and confirmed.
 
-An upstream that is scraped (`scrape: true` or a `metrics_url`) is also judged on
-progress: when its scrapes show running requests and a generation-token counter that has
-not advanced for `stall_after` seconds it is *stalled* and unusable, whatever its /health
-says, and a later scrape that shows progress (new tokens, or nothing running) makes it
-usable again.
+Which upstreams are scraped: `scrape: true` or a `metrics_url` scrapes from the start,
+`scrape: false` never. Unset (the default), the gateway *detects* it: its first scrape attempt
+(the first tick once the upstream is healthy, right after the start-up probe) reads
+`url + /metrics`, and the upstream is scraped from then on only when the answer is a 200
+whose text holds vLLM series (a `vllm:` name). Any other answer below 500 (a 404, a 200
+without them) means "not vLLM":
+no more scrapes, not counted as one, logged once. A timeout, a connect error or a 5xx decides
+nothing: counted like any failed scrape, and the next interval asks again. An upstream found
+not to be vLLM is asked again when it comes back after a failure (a connect failure marked it
+unhealthy and a probe answered again: the engine may have been replaced) and on a reload that
+changes its URL or scrape settings; never on a timer. The status page says which
+(`scrape`: on, detecting, not_vllm, off).
+
+An upstream that is scraped is also judged on progress: when its scrapes show running
+requests and a generation-token counter that has not advanced for `stall_after` seconds it
+is *stalled* and unusable, whatever its /health says, and a later scrape that shows
+progress (new tokens, or nothing running) makes it usable again.
 
 A *frozen* engine (SIGSTOP, a wedged process: connects succeed, nothing answers) cannot be
 judged by scrapes that never come back, so silence is the evidence. A scraped upstream is
@@ -29,7 +41,7 @@ frozen, and unusable, when both hold:
   no response head, no body chunk, since the later of the last such byte and the last
   tick at which it had nothing in flight (tick granularity).
 The next scrape that gets any HTTP answer makes it usable again. An upstream that is not
-scraped is left to the first-byte and idle timeouts.
+scraped, or not yet (detecting), is left to the first-byte and idle timeouts.
 
 Telemetry: a healthy scraped upstream's /metrics is read every `scrape_interval`; a scrape
 that does not answer within `stale_after` (default 3 intervals) is abandoned, and good
@@ -82,6 +94,7 @@ class Upstream(UpstreamState):
     next_scrape_at: float = 0.0
     engine: EngineStats | None = None  # the last good scrape
     progress: Progress | None = None  # None when this upstream is not scraped
+    scraping: bool | None = False  # scraped; None: detecting (see the module docstring)
     healthy: bool = True  # connects and answers /health
     stalled: bool = False  # scrapes show running requests and no new tokens for stall_after
     busy: bool = False  # a probe or scrape is running
@@ -125,8 +138,18 @@ class Upstream(UpstreamState):
             "in_flight": self.inflight,
             "in_flight_tokens": self.inflight_tokens,  # prompt-size estimates, summed
             "controller": self.controller.state(),
+            "scrape": self.scrape_state,
             "engine": _engine_status(self.telemetry(now)),
         }
+
+    @property
+    def scrape_state(self) -> str:
+        """on, detecting, not_vllm (its /metrics has no vLLM series) or off (scrape: false)."""
+        if self.scraping is None:
+            return "detecting"
+        if self.scraping:
+            return "on"
+        return "off" if self.config is None or self.config.scrape_url is None else "not_vllm"
 
 
 def _engine_status(t: Telemetry | None) -> dict[str, Any] | None:
@@ -141,20 +164,28 @@ def _engine_status(t: Telemetry | None) -> dict[str, Any] | None:
     return out
 
 
-def _progress(cfg: UpstreamConfig) -> Progress | None:
+def _scraping(cfg: UpstreamConfig) -> bool | None:
+    """Scraped from the start (True), never (False) or once detected (None)."""
     if cfg.scrape_url is None:
-        return None
+        return False
+    return None if cfg.scrape_detect else True
+
+
+def _progress(cfg: UpstreamConfig) -> Progress:
     return Progress(stall_after=cfg.stall_after, stale_after=cfg.stale_bound)
 
 
 def _telemetry_key(cfg: UpstreamConfig | None) -> tuple[Any, ...] | None:
-    return None if cfg is None else (cfg.scrape_url, cfg.stall_after, cfg.stale_bound)
+    if cfg is None:
+        return None
+    return (cfg.scrape_url, cfg.scrape_detect, cfg.stall_after, cfg.stale_bound)
 
 
 def _build(cfg: UpstreamConfig) -> Upstream:
     ctl: LimitController = build_controller(cfg.controller, cfg.params)
-    return Upstream(name=cfg.name, controller=ctl, url=cfg.url, config=cfg,
-                    progress=_progress(cfg))
+    scraping = _scraping(cfg)
+    return Upstream(name=cfg.name, controller=ctl, url=cfg.url, config=cfg, scraping=scraping,
+                    progress=_progress(cfg) if scraping else None)
 
 
 class UpstreamPool:
@@ -189,7 +220,9 @@ class UpstreamPool:
             if prev is None or (prev.controller, prev.params) != (cfg.controller, cfg.params):
                 up.controller = build_controller(cfg.controller, cfg.params)
             if _telemetry_key(prev) != _telemetry_key(cfg):
-                up.progress, up.engine, up.stalled = _progress(cfg), None, False
+                up.scraping = _scraping(cfg)
+                up.progress = _progress(cfg) if up.scraping else None
+                up.engine, up.stalled = None, False
                 up.refresh_usable()
             up.url, up.config = cfg.url, cfg
             new.append(up)
@@ -216,7 +249,7 @@ class UpstreamPool:
             if (not up.healthy or not up.confirmed) and now >= up.next_probe_at:
                 up.busy = True
                 tasks.append(asyncio.create_task(self._probe(client, up, now)))
-            elif up.healthy and up.config.scrape_url and now >= up.next_scrape_at:
+            elif up.healthy and up.scraping is not False and now >= up.next_scrape_at:
                 up.busy = True
                 up.next_scrape_at = now + up.config.scrape_interval
                 tasks.append(asyncio.create_task(self._scrape(client, up, now)))
@@ -237,8 +270,9 @@ class UpstreamPool:
         """Frozen: failing scrapes and in-flight requests silent for stall_after."""
         if up.inflight == 0:
             up.idle_at = now
-        if up.frozen or up.config is None or up.scrape_failures < _FROZEN_SCRAPES:
-            return
+        if (up.frozen or up.config is None or not up.scraping
+                or up.scrape_failures < _FROZEN_SCRAPES):
+            return  # (failed detections do not count: an engine not yet known to be scraped)
         silent = now - max(up.idle_at, up.answered_at)
         if silent >= up.config.stall_after:
             log.warning("upstream %s unusable: %d scrapes failed and %d requests got nothing "
@@ -270,6 +304,8 @@ class UpstreamPool:
             if not up.healthy:
                 log.warning("upstream %s healthy again%s", up.name,
                             "; still stalled" if up.stalled else "")
+                if up.scraping is False and up.config.scrape_detect:
+                    up.scraping = None  # it may be another engine now: look at /metrics again
             up.healthy = up.confirmed = True
             up.refresh_usable()
         else:
@@ -282,10 +318,13 @@ class UpstreamPool:
         finally:
             up.busy = False
         self._scrape_answered(up, outcome not in ("timeout", "error"))
-        self.count_scrape(up.name, outcome)
+        if outcome is not None:
+            self.count_scrape(up.name, outcome)
 
-    async def _fetch(self, client: UpstreamClient, up: Upstream, started: float) -> str:
-        cfg = up.config
+    async def _fetch(self, client: UpstreamClient, up: Upstream, started: float) -> str | None:
+        """One scrape's outcome; None when it was a detection that found no vLLM series
+        (or that a reload overtook): not a scrape."""
+        cfg, detecting = up.config, up.scraping is None
         assert cfg is not None and cfg.scrape_url is not None
         try:
             # figures that arrive after stale_after would not be used: stop waiting then
@@ -295,6 +334,14 @@ class UpstreamPool:
         except UpstreamError:
             return "error"
         done = self.clock()
+        if detecting:
+            if up.config is not cfg or up.scraping is not None:
+                return None  # a reload changed what to detect while this one ran
+            if status < 500 and not (status == 200 and "vllm:" in text):
+                self._not_vllm(up, cfg.scrape_url, status)
+                return None
+            if status == 200:
+                self._detected(up, cfg)
         if status != 200:
             return "http_error"
         try:
@@ -306,6 +353,19 @@ class UpstreamPool:
             return "unparsable"
         self.note_engine(up, stats, done)
         return "ok"
+
+    @staticmethod
+    def _detected(up: Upstream, cfg: UpstreamConfig) -> None:
+        log.info("upstream %s: %s shows vLLM series; scraping it every %gs", up.name,
+                 cfg.scrape_url, cfg.scrape_interval)
+        up.scraping, up.progress = True, _progress(cfg)
+
+    @staticmethod
+    def _not_vllm(up: Upstream, url: str, status: int) -> None:
+        what = "no vLLM series" if status == 200 else f"HTTP {status}"
+        log.info("upstream %s: %s answers %s; not scraped (asked again when the upstream comes "
+                 "back after a failure; `scrape: true` forces it)", up.name, url, what)
+        up.scraping = False
 
     def note_engine(self, up: Upstream, stats: EngineStats, now: float) -> None:
         """Take one good scrape: keep it, feed the controller, judge progress."""

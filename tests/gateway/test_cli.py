@@ -106,7 +106,8 @@ async def test_serve_flags_and_sighup_reload(tmp_path: Path) -> None:
 
 async def test_two_workers_split_a_fixed_limit() -> None:
     async with engine() as up, httpx.AsyncClient() as client:
-        with kneegate("--upstream", up, "--limit", "9", "--workers", "2") as (proc, url):
+        with kneegate("--upstream", up, "--controller", "fixed", "--limit", "9",
+                      "--workers", "2") as (proc, url):
             await until_up(client, url, proc)
             seen: set[int] = set()
             with anyio.fail_after(10):
@@ -126,6 +127,8 @@ async def test_serve_without_upstream_embeds_the_emulator() -> None:
             await until_up(client, url, proc)
             status: dict[str, Any] = (await client.get(url + "/kneegate/status")).json()
             assert [u["name"] for u in status["upstreams"]] == ["embedded"]
+            assert status["upstreams"][0]["controller"]["name"] == "knee"  # untuned: knee
+            assert status["upstreams"][0]["scrape"] == "on"
             r = await client.post(url + "/v1/completions",
                                   json={"model": "cpu-tiny", "prompt": "hi", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -62,8 +62,9 @@ def test_explicit_metrics_url_is_kept_and_scraped() -> None:
     assert u.scrape_url == "http://h:9100/m"
 
 
-def test_scraping_is_off_unless_asked_for() -> None:
-    assert parse_config({"upstreams": [upstream_cfg()]}).upstreams[0].scrape_url is None
+def test_scrape_false_turns_scraping_off() -> None:
+    # unset is detected (tests/gateway/test_defaults.py); false wins even over metrics_url
+    assert parse_config({"upstreams": [upstream_cfg(scrape=False)]}).upstreams[0].scrape_url is None
     off = upstream_cfg(scrape=False, metrics_url="http://h:1/metrics")
     assert parse_config({"upstreams": [off]}).upstreams[0].scrape_url is None
 
@@ -154,8 +155,9 @@ def test_reload_that_turns_scraping_off_forgets_the_figures_and_the_stall() -> N
     pool.note_engine(up, stats(at=100, running=1, tokens=1), 100)
     pool.note_engine(up, stats(at=102, running=1, tokens=1), 102)
     assert not up.usable
-    pool.reload(parse_config({"upstreams": [upstream_cfg()]}).upstreams)
+    pool.reload(parse_config({"upstreams": [upstream_cfg(scrape=False)]}).upstreams)
     assert up.usable and up.telemetry(0.0) is None and up.engine is None
+    assert up.scrape_state == "off"
 
 
 # --- knee estimate and controller state on /metrics and the status page -------------------

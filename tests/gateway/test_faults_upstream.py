@@ -60,7 +60,8 @@ async def gateway(cfg: GatewayConfig) -> AsyncIterator[Gw]:
 
 
 def upstreams(*ups: FaultyUpstream, limit: int = 4, **extra: Any) -> list[dict[str, Any]]:
-    return [{"name": f"e{i}", "url": u.url, "params": {"initial": limit}, **extra}
+    return [{"name": f"e{i}", "url": u.url, "controller": "fixed", "params": {"initial": limit},
+             **extra}
             for i, u in enumerate(ups)]
 
 

@@ -327,7 +327,7 @@ async def test_api_key_and_header_pick_the_class() -> None:
 
 def _write(path: Path, up: str, limit: int, **extra: Any) -> None:
     doc = {"tick_interval": 0.02, "upstreams": [
-        {"name": "e0", "url": up, "params": {"initial": limit}}], **extra}
+        {"name": "e0", "url": up, "controller": "fixed", "params": {"initial": limit}}], **extra}
     path.write_text(json.dumps(doc))  # JSON is YAML
 
 

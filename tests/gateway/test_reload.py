@@ -36,8 +36,9 @@ class Rig:
 
     def doc(self, **extra: Any) -> dict[str, Any]:
         """A valid config document for this rig's engine, with `extra` laid over it."""
-        return {"tick_interval": 0.02, "upstreams": [
-            {"name": "e0", "url": self.up, "params": {"initial": 2}}], **extra}
+        return {"tick_interval": 0.02, "upstreams": [{
+            "name": "e0", "url": self.up, "controller": "fixed", "params": {"initial": 2}}],
+            **extra}
 
     async def reload(self, content: str | bytes | dict[str, Any]) -> httpx.Response:
         if isinstance(content, dict):
@@ -61,8 +62,9 @@ class Rig:
 async def _rig(tmp_path: Path, prepare: Any = None, **extra: Any) -> AsyncIterator[Rig]:
     path = tmp_path / "kneegate.yaml"
     async with serve(FakeEngine()) as up, httpx.AsyncClient(timeout=10) as client:
-        doc = {"tick_interval": 0.02, "upstreams": [
-            {"name": "e0", "url": up, "params": {"initial": 2}}], "classes": CLASSES,
+        doc = {"tick_interval": 0.02, "upstreams": [{
+            "name": "e0", "url": up, "controller": "fixed", "params": {"initial": 2}}],
+            "classes": CLASSES,
             "default_class": "interactive", "admin_token": TOKEN, "api_keys": {KEY: "batch"},
             **extra}
         path.write_text(json.dumps(doc))

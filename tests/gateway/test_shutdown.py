@@ -172,7 +172,8 @@ async def wait_exit(proc: subprocess.Popen[bytes], seconds: float) -> int:
 async def test_ctrl_c_drains_every_worker() -> None:
     engine = FakeEngine(interval=0.05)
     async with serve(engine) as up, httpx.AsyncClient(timeout=10) as client:
-        with kneegate("--upstream", up, "--workers", "2", "--limit", "16") as (proc, url):
+        with kneegate("--upstream", up, "--workers", "2", "--controller", "fixed",
+                      "--limit", "16") as (proc, url):
             await until_up(client, url, proc)
             # fresh connections, so the kernel spreads the streams over both workers (8
             # slots each: all 6 are admitted however they are spread)
