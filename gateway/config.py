@@ -175,9 +175,6 @@ class ClassConfig(_Frozen):
     """One priority class."""
 
     priority: int = Field(0, description="higher classes are dispatched first")
-    ttft_objective: float = Field(
-        2.0, gt=0, le=3600,
-        description="seconds from arrival to first token the class is served within")
     max_wait: float = Field(30.0, gt=0, description="seconds in the queue before a 503")
     queue_share: float = Field(1.0, gt=0, le=1, description="fraction of max_queue it may fill")
     header: bool = Field(
