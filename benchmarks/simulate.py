@@ -82,9 +82,9 @@ SCENARIOS = Path(__file__).with_name("scenarios")
 # The oracle's wait caps, as fractions of each class's TTFT objective; None is the scenario's
 # own `max_wait`. Caps at or past the objective are left out (a request that waited that long
 # misses however fast the engine is); a quarter to three quarters of it leaves the engine
-# TTFT the rest. The scenario's own caps keep the oracle at least as good as a fixed limit
-# behind the controllers' own queue. Four caps, not a finer grid: the limit sweep is run per
-# cap around the best limit, and the suite has to stay within a few minutes.
+# TTFT the rest. With the scenario's own caps the oracle can also keep the controllers' own
+# queue where that is best (at low load, where caps seldom bite). Four caps, not a finer
+# grid: each is run at three limits, and the suite has to stay within a few minutes.
 WAIT_CAPS: tuple[float | None, ...] = (0.25, 0.5, 0.75, None)
 FIRST_CAP = 0.5  # the cap the full limit sweep runs at, before the caps are swept
 
