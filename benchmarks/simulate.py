@@ -245,7 +245,8 @@ def _policies(sc: Scenario, wait: float | None) -> dict[str, ClassPolicy]:
     """Each class's policy; `wait` (a fraction of its TTFT objective) replaces its max_wait."""
     return {
         c.name: ClassPolicy(
-            c.name, c.priority, c.max_wait if wait is None else wait * (c.ttft or sc.ttft)
+            c.name, c.priority, c.max_wait if wait is None else wait * (c.ttft or sc.ttft),
+            ttft_objective=c.ttft or sc.ttft,  # the gateway's time-bounded queue (issue 12)
         )
         for c in sc.classes
     }

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from gw_helpers import FakeEngine
-from test_proxy import _rig, assert_conserved
+from gw_helpers import FakeEngine, assert_conserved
+from test_proxy import _rig
 
 from gateway.config import load_config
 from gateway.proxy import ProxySettings

@@ -20,9 +20,8 @@ from typing import Any
 
 import anyio
 import pytest
-from gw_helpers import FakeEngine, gw_config, scrape, serve, total
+from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 from prometheus_client import generate_latest
-from test_proxy import assert_conserved
 from uvicorn.server import ServerState
 
 from gateway.app import KneegateApp, build_app

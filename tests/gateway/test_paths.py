@@ -11,8 +11,8 @@ import json
 from typing import Any
 
 import pytest
-from gw_helpers import FakeEngine
-from test_proxy import Rig, _rig, assert_conserved
+from gw_helpers import FakeEngine, assert_conserved
+from test_proxy import Rig, _rig
 
 from gateway.proxy import normalise_path, proxied_path
 

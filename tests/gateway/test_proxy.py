@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import FakeEngine, gw_config, scrape, serve, total
+from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 
 from gateway.app import KneegateApp, build_app
 from gateway.config import GatewayConfig
@@ -44,15 +44,6 @@ async def _rig(engine: FakeEngine, cfg: GatewayConfig | None = None, **kw: Any
 async def rig() -> AsyncIterator[Rig]:
     async with _rig(FakeEngine(interval=0.002), limit=4) as r:
         yield r
-
-
-def assert_conserved(m: dict[Any, float]) -> None:
-    received = total(m, "kneegate_requests_received_total")
-    admitted = total(m, "kneegate_requests_admitted_total")
-    assert received == admitted + total(m, "kneegate_requests_shed_total") + total(
-        m, "kneegate_requests_queue_timeout_total") + total(m, "kneegate_queue_depth")
-    assert admitted == total(m, "kneegate_requests_finished_total") + total(
-        m, "kneegate_in_flight")
 
 
 async def test_stream_is_relayed_byte_for_byte(rig: Rig) -> None:

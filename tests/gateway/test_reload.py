@@ -12,8 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gw_helpers import FakeEngine, scrape, serve, total
-from test_proxy import assert_conserved
+from gw_helpers import FakeEngine, assert_conserved, scrape, serve, total
 
 from gateway.app import KneegateApp, build_app
 from gateway.config import load_config

@@ -19,10 +19,9 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import FakeEngine, gw_config, scrape, serve, total
+from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 from prometheus_client import generate_latest
 from test_cli import free_port, until_up
-from test_proxy import assert_conserved
 
 from gateway.app import KneegateApp, build_app
 from gateway.server import QuietServer, running, uvicorn_config
