@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from benchmarks.engine.core import EngineCore
@@ -95,9 +97,10 @@ def test_cli_prints_a_row_per_controller(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_user_ttft_includes_the_gateway_queue_wait() -> None:
     # limit 1, two requests at t = 0: the second waits in the gateway's queue until the first
-    # is done (~2.6 s of 400 tokens on cpu-tiny, past the 2 s objective and within the 5 s cap);
-    # alone on the engine its engine-side TTFT is tiny, but its user waited the queue out
-    sc = load_scenario("cpu-tiny-3x").model_copy(update={"duration": 20.0, "warmup": 0.0})
+    # is done (~2.6 s of 400 tokens on cpu-tiny); alone on the engine its engine-side TTFT is
+    # tiny, but its user waited the queue out. A 4 s objective lets it wait and be served.
+    sc = load_scenario("cpu-tiny-3x").model_copy(
+        update={"duration": 20.0, "warmup": 0.0, "ttft": 4.0})
     arrivals = [(0.0, "default", 128, 400), (0.0, "default", 128, 400)]
     res = run(sc, "fixed", seed=7, limit=1, arrivals=arrivals)
     first, second = res.requests
@@ -105,20 +108,32 @@ def test_user_ttft_includes_the_gateway_queue_wait() -> None:
     assert second.dispatched == first.done  # the wait is exactly the first one's lifetime
     wait = second.dispatched - second.arrived
     assert user_ttft(second) == pytest.approx(wait + engine_ttft(second), abs=1e-12)
-    assert engine_ttft(second) < sc.ttft < wait < user_ttft(second)
-    assert user_ttft(first) == engine_ttft(first) < sc.ttft
-    # only the first met its objective: goodput is its tokens alone
-    end = second.done + 1.0
-    assert goodput(res, sc, 0.0, end) * end == pytest.approx(first.tokens)
+    assert engine_ttft(second) < 2.0 < wait < user_ttft(second) < sc.ttft
+    assert user_ttft(first) == engine_ttft(first) < 2.0
     nobody = Oracle(1, None, 1.0, {}, [], [], [])
     row = judge(res, nobody, sc)
     assert row.ttft_p99 == user_ttft(second)
     assert row.engine_ttft_p99 == max(engine_ttft(first), engine_ttft(second))
 
 
+def test_a_request_that_would_wait_past_its_objective_never_reaches_the_engine() -> None:
+    # the same two requests with a 2 s objective: the second's slot comes at ~2.6 s, past
+    # it, so the time-bounded queue answers it then and the engine never sees it; goodput is
+    # the first one's tokens alone
+    sc = load_scenario("cpu-tiny-3x").model_copy(update={"duration": 20.0, "warmup": 0.0})
+    arrivals = [(0.0, "default", 128, 400), (0.0, "default", 128, 400)]
+    res = run(sc, "fixed", seed=7, limit=1, arrivals=arrivals)
+    first, second = res.requests
+    assert (first.fate, second.fate) == ("done", "timeout")
+    assert math.isnan(second.dispatched)
+    end = first.done + 1.0
+    assert goodput(res, sc, 0.0, end) * end == pytest.approx(first.tokens)
+
+
 def test_oracle_sweeps_the_wait_cap_and_judges_from_arrival() -> None:
-    # at 3x overload behind the scenario's own 5 s cap every admitted request waits seconds:
-    # from arrival almost none meets the 2 s objective, so the best pair has a short cap
+    # every pair is behind the gateway's time-bounded queue; a short cap still helps at 3x
+    # overload (requests served well inside the objective miss less often), and the search
+    # finds it
     sc = load_scenario("cpu-tiny-3x").model_copy(
         update={"duration": 40.0, "warmup": 10.0, "oracle_limits": [16, 32]}
     )
@@ -127,7 +142,7 @@ def test_oracle_sweeps_the_wait_cap_and_judges_from_arrival() -> None:
     assert {lim for lim, _ in orc.runs} >= {16, 32}
     assert orc.wait is not None and orc.wait < 1.0
     own = max(goodput(r, sc, sc.warmup, sc.duration) for (_, w), r in orc.runs.items() if w is None)
-    assert orc.goodput >= 3 * own, (orc.goodput, own)
+    assert orc.goodput >= own, (orc.goodput, own)
     assert orc.best.controller == f"fixed@{orc.limit}/{orc.wait:g}T"
     caps = {c.name: c.max_wait for c in sc.classes}
     assert caps == {"default": 5.0}
