@@ -51,7 +51,6 @@ import json
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -294,17 +293,27 @@ def _arm_names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
-def _drain_stderr(proc: subprocess.Popen[bytes]) -> collections.deque[bytes]:
-    """Read a child's stderr in a thread (a full pipe would block it); keep the last lines."""
-    tail: collections.deque[bytes] = collections.deque(maxlen=20)
+@contextlib.contextmanager
+def _child(cmd: list[str], ready: str | int) -> Iterator[None]:
+    """overhead._process, with its stderr read by a thread: a full pipe would block the child
+    (a gateway may log per request under overload); the pipe closes when the child has gone."""
+    readers: list[threading.Thread] = []
+    try:
+        with _process(cmd, ready) as proc:
+            assert proc.stderr is not None
+            pipe = proc.stderr
 
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            tail.append(line)
+            def read() -> None:
+                with pipe:
+                    for _ in pipe:
+                        pass
 
-    threading.Thread(target=read, daemon=True).start()
-    return tail
+            readers.append(threading.Thread(target=read, daemon=True))
+            readers[0].start()
+            yield
+    finally:  # the child has ended: its pipe reaches EOF
+        for reader in readers:
+            reader.join(10.0)
 
 
 @contextlib.contextmanager
@@ -313,16 +322,14 @@ def _serving(arm: Arm, profile: str) -> Iterator[str]:
     ep = _free_port()
     engine = [sys.executable, "-m", "benchmarks.engine", "--profile", profile,
               "--port", str(ep), *arm.engine_flags]
-    with _process(engine, ep) as eng:
-        _drain_stderr(eng)
+    with _child(engine, ep):
         if arm.gateway_flags is None:
             yield f"http://127.0.0.1:{ep}"
             return
         gp = _free_port()
         gateway = [sys.executable, "-m", "gateway", "serve", "--upstream",
                    f"http://127.0.0.1:{ep}", "--port", str(gp), *arm.gateway_flags]
-        with _process(gateway, f"http://127.0.0.1:{gp}/health") as gw:
-            _drain_stderr(gw)
+        with _child(gateway, f"http://127.0.0.1:{gp}/health"):
             yield f"http://127.0.0.1:{gp}"
 
 
@@ -397,7 +404,8 @@ def run(args: argparse.Namespace) -> Report:
             with _serving(arm, args.profile) as url:
                 recs = asyncio.run(run_cell(url, rate, args, seed=args.seed + int(load * 1000)))
             s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective)
-            rep.rows.append({"arm": arm.name, "load": load, "offered_rps": rate, **s})
+            rep.rows.append({"arm": arm.name, "load": load, "offered_rps": rate,
+                             "sent_rps": s["users"] / args.seconds, **s})
             print(_row(arm.name, load, rate, s), flush=True)
     return rep
 
