@@ -16,29 +16,32 @@ Arms (`--arms`, comma-separated):
   direct          the engine alone
   valve           the engine with vLLM's `--max-num-queued-tokens`, one arm per size
                   (`valve-N`): by default objective x the engine's prefill rate at saturation
-                  (capacity x prompt tokens: the rate its waiting queue drains) x 0.5, 1 and 2,
-                  in whole prompts; `--valve-tokens 1280,2560` sets them; `valve-N` names one
+                  (capacity x prompt tokens: the rate its waiting queue drains) x 0.25, 0.5
+                  and 1, in whole prompts; `--valve-tokens 1280,2560` sets them; `valve-N` names one
   kneegate        `python -m gateway serve --upstream URL` with no tuning flags
   kneegate-w2     the same with `--workers 2`
   kneegate-fixed  `--controller fixed --limit L`, L the operators' safe level: `--fixed-limit`,
                   or a short closed-loop sweep of the engine (`--sweep-levels`, the 5% rule and
-                  the 20% back-off of benchmarks.sweep)
+                  the 20% back-off of benchmarks.sweep; keep each step longer than one answer
+                  at the top level, or that level reads low)
 
 Each (arm, load) cell: `--warmup` s of arrivals that are not measured, then `--seconds` s whose
 arrivals are the measured requests, then arrivals go on (unmeasured, so the measured ones see
 the same load to the end) until every measured request has ended, at most `--request-timeout`
-s. Columns, over the measured requests (rates are per `--seconds`):
+s. Token rates are by the clock: tokens that reached users during the measured `--seconds`
+(whoever sent them), so a backlog served after the window does not inflate them. The other
+columns follow the measured users to their end. Columns:
 
   offered    arrivals per second (load x capacity)
-  goodput    output tokens/s of requests whose first token reached the user within
+  goodput    output tokens/s received by users whose first token reached them within
              `--objective` (2) s of sending
   /cap       goodput / capacity (capacity x max tokens, tokens/s)
-  done tok/s output tokens/s of requests that completed ([DONE])
-  rejected   answers other than 200 (never retried); rej p99 ms: their time from send to
-             the status line
-  TTFT p50/p99  from send, of the requests that got a first token
-  gave up    users with no first token after `--give-up` s
-  errors     transport errors, and streams cut or past `--request-timeout`
+  done tok/s output tokens/s received by users whose answer completed ([DONE])
+  rejected   measured users answered other than 200 (never retried); rej p99 ms: their time
+             from send to the status line
+  TTFT p50/p99  from send, of the measured users who got a first token
+  gave up    measured users with no first token after `--give-up` s
+  errors     measured users with a transport error, a cut stream, or past `--request-timeout`
 """
 
 from __future__ import annotations
@@ -80,12 +83,14 @@ class Arm:
 
 @dataclass(slots=True)
 class Record:
-    """One measured user; times in seconds from the moment the request was sent."""
+    """One user; times in seconds from the moment the request was sent."""
 
+    measured: bool = False  # sent in the measured window
     status: int | None = None
     answer: float | None = None  # the status line
     ttft: float | None = None
     tokens: int = 0
+    window_tokens: int = 0  # received in the measured window (by the clock)
     done: bool = False
     gave_up: bool = False
     error: str | None = None
@@ -97,8 +102,9 @@ class Record:
 class _Client:
     """One aiohttp session; each user streams one request and keeps to the give-up rule."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, args: argparse.Namespace):
-        self.session, self.args = session, args
+    def __init__(self, session: aiohttp.ClientSession, url: str, args: argparse.Namespace,
+                 window: tuple[float, float]):
+        self.session, self.args, self.window = session, args, window
         self.endpoint = url.rstrip("/") + "/v1/completions"
         self.body = {  # token ids, as loadgen sends them: the prompt length is exact
             "model": args.profile,
@@ -140,11 +146,14 @@ class _Client:
             if b'"usage":{' in line:
                 usage = int(json.loads(line[6:])["usage"]["completion_tokens"])
             elif b'"choices":[{' in line:
+                now = time.monotonic()
                 if rec.ttft is None:
-                    rec.ttft = time.monotonic() - sent
+                    rec.ttft = now - sent
                     # a first token: the user stays until the answer ends (bounded)
                     bound.reschedule(sent_loop + self.args.request_timeout)
                 rec.tokens += 1
+                if self.window[0] <= now < self.window[1]:
+                    rec.window_tokens += 1
         if usage is not None:
             rec.tokens = usage
         if not rec.done:
@@ -152,7 +161,8 @@ class _Client:
 
 
 async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int) -> list[Record]:
-    """Poisson arrivals at `rate`; the records of the users sent in the measured window.
+    """Poisson arrivals at `rate`; the records of every user sent (`measured` marks those
+    sent in the measured window).
 
     Arrivals: `warmup` s unmeasured, `seconds` s measured, then unmeasured until every
     measured user has ended or `request_timeout` s have passed. Bounded in count and time.
@@ -160,7 +170,7 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int) -
     rng = random.Random(seed)
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-    measured: list[Record] = []
+    users: list[Record] = []
     tasks: set[asyncio.Task[None]] = set()
     pending = 0
 
@@ -169,9 +179,9 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int) -
         pending -= 1
 
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        client = _Client(session, url, args)
         t0 = time.monotonic()
         start, end = t0 + args.warmup, t0 + args.warmup + args.seconds
+        client = _Client(session, url, args, (start, end))
         hard_end = end + args.request_timeout
         max_sent = int(rate * (args.warmup + args.seconds + args.request_timeout) * 2) + 100
         next_at, sent = t0, 0
@@ -182,12 +192,12 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int) -
             if next_at > now:
                 await asyncio.sleep(min(next_at - now, 0.5))
                 continue
-            rec = Record()
+            rec = Record(measured=start <= now < end)
+            users.append(rec)
             task = asyncio.create_task(client.one(rec))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-            if start <= now < end:
-                measured.append(rec)
+            if rec.measured:
                 pending += 1
                 task.add_done_callback(ended)
             sent += 1
@@ -195,10 +205,10 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int) -
         for task in list(tasks):  # unmeasured users still waiting, or measured ones past time
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    for rec in measured:
-        if rec.status is None and not rec.gave_up and rec.error is None:
+    for rec in users:
+        if rec.measured and rec.status is None and not rec.gave_up and rec.error is None:
             rec.error = "cancelled"  # past request_timeout while sending
-    return measured
+    return users
 
 
 # -- figures -------------------------------------------------------------------------------
@@ -212,11 +222,12 @@ def _pct(values: list[float], q: int) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def summarize(recs: list[Record], seconds: float, capacity_tok_s: float,
+def summarize(users: list[Record], seconds: float, capacity_tok_s: float,
               objective: float) -> dict[str, Any]:
-    """One table row's figures from the measured users of one cell."""
+    """One table row's figures: token rates by the clock, the rest over the measured users."""
+    good = sum(r.window_tokens for r in users if r.ttft is not None and r.ttft <= objective)
+    recs = [r for r in users if r.measured]
     first = [r for r in recs if r.ttft is not None]
-    good = sum(r.tokens for r in first if r.ttft is not None and r.ttft <= objective)
     rejected = [r for r in recs if r.status is not None and r.status != 200 and not r.gave_up]
     statuses: dict[str, int] = collections.Counter(str(r.status) for r in rejected)
     goodput = good / seconds
@@ -224,7 +235,7 @@ def summarize(recs: list[Record], seconds: float, capacity_tok_s: float,
         "users": len(recs),
         "goodput_tok_s": goodput,
         "goodput_over_capacity": goodput / capacity_tok_s if capacity_tok_s > 0 else None,
-        "completed_tok_s": sum(r.tokens for r in recs if r.done) / seconds,
+        "completed_tok_s": sum(r.window_tokens for r in users if r.done) / seconds,
         "completed": sum(r.done for r in recs),
         "rejected": len(rejected),
         "rejected_by_status": dict(sorted(statuses.items())),
@@ -260,9 +271,13 @@ def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
 
 
 def valve_sizes(objective: float, capacity_rps: float, prompt_tokens: int) -> list[int]:
-    """objective x the queue's drain rate (capacity x prompt) x 0.5, 1, 2, in whole prompts."""
+    """objective x the queue's drain rate (capacity x prompt) x 0.25, 0.5, 1, in whole prompts.
+
+    The valve counts the prompts of requests without a first token; at saturation they leave
+    that state at the engine's completion rate, so this many tokens wait about objective x f.
+    """
     base = objective * capacity_rps
-    return sorted({max(1, round(base * f)) * prompt_tokens for f in (0.5, 1.0, 2.0)})
+    return sorted({max(1, round(base * f)) * prompt_tokens for f in (0.25, 0.5, 1.0)})
 
 
 def parse_arms(text: str, valves: list[int], fixed_limit: int | None) -> list[Arm]:
@@ -345,9 +360,9 @@ def _measure_engine(args: argparse.Namespace, sweep: bool) -> tuple[float, int |
             return capacity_rps, None, None
         levels = [int(x) for x in args.sweep_levels.split(",")]
         print(f"sweep of the engine for kneegate-fixed: levels {levels}, "
-              f"{args.sweep_seconds:g} s + 1 s warm-up each", flush=True)
+              f"{args.sweep_seconds:g} s + 2 s warm-up each", flush=True)
         points, knee = asyncio.run(run_sweep(
-            url, levels, step_seconds=args.sweep_seconds, warmup=1.0, model=args.profile,
+            url, levels, step_seconds=args.sweep_seconds, warmup=2.0, model=args.profile,
             prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens))
         safe = knee.safe if knee.safe is not None else max(1, int(0.8 * knee.peak_level))
         return capacity_rps, safe, {"points": [asdict(p) for p in points], "knee": asdict(knee)}
@@ -428,8 +443,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity-seconds", type=float, default=8.0)
     ap.add_argument("--valve-tokens", help="sizes for the valve arm, e.g. 1280,2560,5120")
     ap.add_argument("--fixed-limit", type=int, help="kneegate-fixed's limit (else a sweep)")
-    ap.add_argument("--sweep-levels", default="4,8,16,32,64,128")
-    ap.add_argument("--sweep-seconds", type=float, default=3.0)
+    ap.add_argument("--sweep-levels", default="4,8,16,32,64")
+    ap.add_argument("--sweep-seconds", type=float, default=6.0, help="measured, per level")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the run (rows and settings) here")
     return ap

@@ -15,21 +15,26 @@ from benchmarks.overload import Record, main, parse_arms, parser, run_cell, summ
 
 
 def test_summarize_judges_by_the_users_clock() -> None:
+    def ok(ttft: float, window: int, **kw: object) -> Record:
+        return Record(True, 200, 0.01, ttft, 64, window, **kw)  # type: ignore[arg-type]
+
     recs = [
-        Record(status=200, answer=0.01, ttft=0.5, tokens=64, done=True),  # good
-        Record(status=200, answer=0.01, ttft=1.9, tokens=64, done=True),  # good
-        Record(status=200, answer=0.01, ttft=3.0, tokens=64, done=True),  # late: not goodput
-        Record(status=200, answer=0.01, ttft=1.0, tokens=10, error="cut"),  # good, partial
-        Record(status=429, answer=0.004),
-        Record(status=503, answer=0.040),
-        Record(status=200, answer=0.01, gave_up=True),
-        Record(error="ClientOSError"),
+        ok(0.5, 64, done=True),  # good
+        ok(1.9, 30, done=True),  # good; 34 tokens came after the window
+        ok(3.0, 64, done=True),  # late: not goodput
+        Record(True, 200, 0.01, 1.0, 10, 10, error="cut"),  # good, partial
+        Record(True, status=429, answer=0.004),
+        Record(True, status=503, answer=0.040),
+        Record(True, status=200, answer=0.01, gave_up=True),
+        Record(True, error="ClientOSError"),
+        Record(False, 200, 0.01, 0.7, 64, 20, done=True),  # a warm-up user's last 20 tokens
+        Record(False, status=429, answer=5.0),  # not measured: not in the user figures
     ]
     s = summarize(recs, seconds=2.0, capacity_tok_s=100.0, objective=2.0)
     assert s["users"] == 8
-    assert s["goodput_tok_s"] == (64 + 64 + 10) / 2
-    assert s["goodput_over_capacity"] == pytest.approx(0.69)
-    assert s["completed_tok_s"] == 3 * 64 / 2 and s["completed"] == 3
+    assert s["goodput_tok_s"] == (64 + 30 + 10 + 20) / 2
+    assert s["goodput_over_capacity"] == pytest.approx(0.62)
+    assert s["completed_tok_s"] == (64 + 30 + 64 + 20) / 2 and s["completed"] == 3
     assert s["rejected"] == 2 and s["rejected_by_status"] == {"429": 1, "503": 1}
     assert s["rejection_p99_ms"] == pytest.approx(39.64)
     assert s["ttft_p50_ms"] == pytest.approx(1450.0)
@@ -37,7 +42,7 @@ def test_summarize_judges_by_the_users_clock() -> None:
 
 
 def test_arms_expand_and_refuse_unknown_names() -> None:
-    assert valve_sizes(2.0, 18.0, 128) == [18 * 128, 36 * 128, 72 * 128]
+    assert valve_sizes(2.0, 18.0, 128) == [9 * 128, 18 * 128, 36 * 128]
     names = "direct,valve,valve-640,kneegate,kneegate-w2,kneegate-fixed"
     arms = parse_arms(names, [1280, 2560], 25)
     assert [a.name for a in arms] == ["direct", "valve-1280", "valve-2560", "valve-640",
@@ -59,9 +64,11 @@ def _args(*extra: str):  # type: ignore[no-untyped-def]
 
 def test_users_below_capacity_are_all_served_within_the_objective(emulator) -> None:  # type: ignore[no-untyped-def]
     url, _app = emulator
-    recs = asyncio.run(run_cell(url, 5.0, _args(), seed=1))  # ~0.3x capacity
+    users = asyncio.run(run_cell(url, 5.0, _args(), seed=1))  # ~0.3x capacity
+    recs = [r for r in users if r.measured]
     assert 1 <= len(recs) <= 20  # ~5 measured arrivals
     assert all(r.status == 200 and r.done and r.tokens == 64 for r in recs)
+    assert 0 < sum(r.window_tokens for r in users) <= 64 * len(users)
     assert all(r.ttft is not None and r.answer is not None and r.ttft < 2.0 for r in recs)
 
 
@@ -100,16 +107,17 @@ async def _peer(answer: bytes | None) -> AsyncIterator[tuple[str, list[str]]]:
 def test_a_user_with_no_first_token_gives_up_and_closes_the_stream() -> None:
     async def go() -> tuple[list[Record], list[str]]:
         async with _peer(None) as (url, log):
-            recs = await run_cell(url, 10.0, _args(), seed=2)
+            users = await run_cell(url, 10.0, _args(), seed=2)
             async with asyncio.timeout(2):  # the peer sees every user's connection close
-                while len(log) < len(recs):
+                while len(log) < len(users):
                     await asyncio.sleep(0.01)
-            return recs, log
+            return users, log
 
-    recs, log = asyncio.run(go())
+    users, log = asyncio.run(go())
+    recs = [r for r in users if r.measured]
     assert recs and all(r.gave_up and r.status is None for r in recs)
     assert set(log) == {"closed"}
-    s = summarize(recs, 1.0, 100.0, 2.0)
+    s = summarize(users, 1.0, 100.0, 2.0)
     assert s["gave_up"] == len(recs) and s["goodput_tok_s"] == 0 and s["errors"] == 0
 
 
@@ -122,10 +130,11 @@ def test_a_rejection_is_timed_and_not_retried() -> None:
         async with _peer(answer) as (url, log):
             return await run_cell(url, 20.0, _args(), seed=3), log
 
-    recs, log = asyncio.run(go())
-    assert recs and all(r.status == 503 and r.answer is not None for r in recs)
-    assert len(log) < 2 * len(recs) + 30  # one try per user (warm-up users included)
-    s = summarize(recs, 1.0, 100.0, 2.0)
+    users, log = asyncio.run(go())
+    assert users and all(r.status == 503 and r.answer is not None for r in users)
+    assert len(log) == len(users)  # one try per user
+    recs = [r for r in users if r.measured]
+    s = summarize(users, 1.0, 100.0, 2.0)
     assert s["rejected"] == len(recs) and s["rejection_p99_ms"] < 1000
 
 
