@@ -360,10 +360,11 @@ def _measure_engine(args: argparse.Namespace, sweep: bool) -> tuple[float, int |
             return capacity_rps, None, None
         levels = [int(x) for x in args.sweep_levels.split(",")]
         print(f"sweep of the engine for kneegate-fixed: levels {levels}, "
-              f"{args.sweep_seconds:g} s + 2 s warm-up each", flush=True)
+              f"{args.sweep_seconds:g} s + 3 s warm-up each", flush=True)
         points, knee = asyncio.run(run_sweep(
-            url, levels, step_seconds=args.sweep_seconds, warmup=2.0, model=args.profile,
+            url, levels, step_seconds=args.sweep_seconds, warmup=3.0, model=args.profile,
             prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens))
+        # no knee inside the levels: back off from the best level, as the operator would
         safe = knee.safe if knee.safe is not None else max(1, int(0.8 * knee.peak_level))
         return capacity_rps, safe, {"points": [asdict(p) for p in points], "knee": asdict(knee)}
 
@@ -444,7 +445,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--valve-tokens", help="sizes for the valve arm, e.g. 1280,2560,5120")
     ap.add_argument("--fixed-limit", type=int, help="kneegate-fixed's limit (else a sweep)")
     ap.add_argument("--sweep-levels", default="4,8,16,32,64")
-    ap.add_argument("--sweep-seconds", type=float, default=6.0, help="measured, per level")
+    ap.add_argument("--sweep-seconds", type=float, default=10.0, help="measured, per level")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the run (rows and settings) here")
     return ap
