@@ -1,0 +1,471 @@
+"""Wall-clock overload: open-loop Poisson arrivals past capacity, judged by the user's clock.
+
+    python -m benchmarks.overload                                  # every arm, 1.5x/3x/10x
+    python -m benchmarks.overload --loads 3 --seconds 10 --arms direct,kneegate   # a smoke run
+
+One run, so the ratios are measured side by side. First the engine (`python -m
+benchmarks.engine --profile cpu-tiny`, its own process) is measured alone: closed loop,
+`--capacity-streams` (64) streams for `--capacity-seconds`; capacity in requests/s =
+output tokens/s / `--max-tokens` (tokens, not loadgen's requests_per_s, which leaves out the
+requests started in the warm-up). Then, for every arm and load, a fresh engine (and gateway)
+receives Poisson arrivals at load x capacity: streamed, `--prompt-tokens` (128) token ids,
+`--max-tokens` (64) output tokens, ignore_eos. A user with no first token `--give-up` (20) s
+after sending closes the stream (gave up); a rejection is not retried.
+
+Arms (`--arms`, comma-separated):
+  direct          the engine alone
+  valve           the engine with vLLM's `--max-num-queued-tokens`, one arm per size
+                  (`valve-N`): by default objective x the engine's prefill rate at saturation
+                  (capacity x prompt tokens: the rate its waiting queue drains) x 0.25, 0.5
+                  and 1, in whole prompts; `--valve-tokens 1280,2560` sets them; `valve-N` names one
+  kneegate        `python -m gateway serve --upstream URL` with no tuning flags
+  kneegate-w2     the same with `--workers 2`
+  kneegate-fixed  `--controller fixed --limit L`, L the operators' safe level: `--fixed-limit`,
+                  or a short closed-loop sweep of the engine (`--sweep-levels`, the 5% rule and
+                  the 20% back-off of benchmarks.sweep; keep each step longer than one answer
+                  at the top level, or that level reads low)
+
+Each (arm, load) cell: `--warmup` s of arrivals that are not measured, then `--seconds` s whose
+arrivals are the measured requests, then arrivals go on (unmeasured, so the measured ones see
+the same load to the end) until every measured request has ended, at most `--request-timeout`
+s. Token rates are by the clock: tokens that reached users during the measured `--seconds`
+(whoever sent them), so a backlog served after the window does not inflate them. The other
+columns follow the measured users to their end. Columns:
+
+  offered    arrivals per second (load x capacity)
+  goodput    output tokens/s received by users whose first token reached them within
+             `--objective` (2) s of sending
+  /cap       goodput / capacity (capacity x max tokens, tokens/s)
+  done tok/s output tokens/s received by users whose answer completed ([DONE])
+  rejected   measured users answered other than 200 (never retried); rej p99 ms: their time
+             from send to the status line
+  TTFT p50/p99  from send, of the measured users who got a first token
+  gave up    measured users with no first token after `--give-up` s
+  errors     measured users with a transport error, a cut stream, or past `--request-timeout`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import random
+import shlex
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from benchmarks.loadgen import LoadConfig, closed_loop
+from benchmarks.overhead import _free_port, _process
+from benchmarks.sweep import run_sweep
+
+__all__ = ["Arm", "Record", "main", "parse_arms", "run", "summarize", "valve_sizes"]
+
+ARMS = ("direct", "valve", "kneegate", "kneegate-w2", "kneegate-fixed")
+_STARTUP_S = 10.0  # what the table's time bound allows per cell to start and stop processes
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    name: str
+    engine_flags: tuple[str, ...] = ()
+    gateway_flags: tuple[str, ...] | None = None  # None: the client talks to the engine
+
+
+@dataclass(slots=True)
+class Record:
+    """One user; times in seconds from the moment the request was sent."""
+
+    measured: bool = False  # sent in the measured window
+    status: int | None = None
+    answer: float | None = None  # the status line
+    ttft: float | None = None
+    tokens: int = 0
+    window_tokens: int = 0  # received in the measured window (by the clock)
+    done: bool = False
+    gave_up: bool = False
+    error: str | None = None
+
+
+# -- the client ----------------------------------------------------------------------------
+
+
+class _Client:
+    """One aiohttp session; each user streams one request and keeps to the give-up rule."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, args: argparse.Namespace,
+                 window: tuple[float, float]):
+        self.session, self.args, self.window = session, args, window
+        self.endpoint = url.rstrip("/") + "/v1/completions"
+        self.body = {  # token ids, as loadgen sends them: the prompt length is exact
+            "model": args.profile,
+            "prompt": [100 + i % 1000 for i in range(args.prompt_tokens)],
+            "max_tokens": args.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+
+    async def one(self, rec: Record) -> None:
+        loop = asyncio.get_running_loop()
+        sent, sent_loop = time.monotonic(), loop.time()
+        try:
+            async with asyncio.timeout(self.args.give_up) as bound:
+                async with self.session.post(self.endpoint, json=self.body) as resp:
+                    rec.answer, rec.status = time.monotonic() - sent, resp.status
+                    if resp.status != 200:
+                        await resp.read()
+                        return
+                    await self._stream(rec, resp, sent, bound, sent_loop)
+        except TimeoutError:
+            if rec.ttft is None:
+                rec.gave_up = True  # the user closes the stream (leaving the block closed it)
+            else:
+                rec.error = "timeout"
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            rec.error = type(exc).__name__
+
+    async def _stream(self, rec: Record, resp: aiohttp.ClientResponse, sent: float,
+                      bound: asyncio.Timeout, sent_loop: float) -> None:
+        usage: int | None = None
+        async for line in resp.content:
+            if not line.startswith(b"data: "):
+                continue
+            if line.startswith(b"data: [DONE]"):
+                rec.done = True
+                break
+            if b'"usage":{' in line:
+                usage = int(json.loads(line[6:])["usage"]["completion_tokens"])
+            elif b'"choices":[{' in line:
+                now = time.monotonic()
+                if rec.ttft is None:
+                    rec.ttft = now - sent
+                    # a first token: the user stays until the answer ends (bounded)
+                    bound.reschedule(sent_loop + self.args.request_timeout)
+                rec.tokens += 1
+                if self.window[0] <= now < self.window[1]:
+                    rec.window_tokens += 1
+        if usage is not None:
+            rec.tokens = usage
+        if not rec.done:
+            rec.error = "cut"
+
+
+async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int) -> list[Record]:
+    """Poisson arrivals at `rate`; the records of every user sent (`measured` marks those
+    sent in the measured window).
+
+    Arrivals: `warmup` s unmeasured, `seconds` s measured, then unmeasured until every
+    measured user has ended or `request_timeout` s have passed. Bounded in count and time.
+    """
+    rng = random.Random(seed)
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    users: list[Record] = []
+    tasks: set[asyncio.Task[None]] = set()
+    pending = 0
+
+    def ended(_: asyncio.Task[None]) -> None:
+        nonlocal pending
+        pending -= 1
+
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        t0 = time.monotonic()
+        start, end = t0 + args.warmup, t0 + args.warmup + args.seconds
+        client = _Client(session, url, args, (start, end))
+        hard_end = end + args.request_timeout
+        max_sent = int(rate * (args.warmup + args.seconds + args.request_timeout) * 2) + 100
+        next_at, sent = t0, 0
+        while sent < max_sent:
+            now = time.monotonic()
+            if now >= hard_end or (now >= end and pending == 0):
+                break
+            if next_at > now:
+                await asyncio.sleep(min(next_at - now, 0.5))
+                continue
+            rec = Record(measured=start <= now < end)
+            users.append(rec)
+            task = asyncio.create_task(client.one(rec))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            if rec.measured:
+                pending += 1
+                task.add_done_callback(ended)
+            sent += 1
+            next_at += rng.expovariate(rate)
+        for task in list(tasks):  # unmeasured users still waiting, or measured ones past time
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for rec in users:
+        if rec.measured and rec.status is None and not rec.gave_up and rec.error is None:
+            rec.error = "cancelled"  # past request_timeout while sending
+    return users
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: int) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def summarize(users: list[Record], seconds: float, capacity_tok_s: float,
+              objective: float) -> dict[str, Any]:
+    """One table row's figures: token rates by the clock, the rest over the measured users."""
+    good = sum(r.window_tokens for r in users if r.ttft is not None and r.ttft <= objective)
+    recs = [r for r in users if r.measured]
+    first = [r for r in recs if r.ttft is not None]
+    rejected = [r for r in recs if r.status is not None and r.status != 200 and not r.gave_up]
+    statuses: dict[str, int] = collections.Counter(str(r.status) for r in rejected)
+    goodput = good / seconds
+    return {
+        "users": len(recs),
+        "goodput_tok_s": goodput,
+        "goodput_over_capacity": goodput / capacity_tok_s if capacity_tok_s > 0 else None,
+        "completed_tok_s": sum(r.window_tokens for r in users if r.done) / seconds,
+        "completed": sum(r.done for r in recs),
+        "rejected": len(rejected),
+        "rejected_by_status": dict(sorted(statuses.items())),
+        "rejection_p99_ms": _ms(_pct([r.answer for r in rejected if r.answer is not None], 99)),
+        "ttft_p50_ms": _ms(_pct([r.ttft for r in first if r.ttft is not None], 50)),
+        "ttft_p99_ms": _ms(_pct([r.ttft for r in first if r.ttft is not None], 99)),
+        "gave_up": sum(r.gave_up for r in recs),
+        "errors": sum(r.error is not None for r in recs),
+    }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+_COLS = (f"{'arm':<16}{'load':>5}{'offered':>9}{'goodput':>9}{'/cap':>6}{'done tok/s':>11}"
+         f"{'rejected':>9}{'rej p99 ms':>11}{'TTFT p50':>9}{'TTFT p99':>9}{'gave up':>8}"
+         f"{'errors':>7}")
+
+
+def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
+    def f(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    return (f"{arm:<16}{load:>5g}{offered:>9.1f}{s['goodput_tok_s']:>9.0f}"
+            f"{f(s['goodput_over_capacity'], '.2f'):>6}{s['completed_tok_s']:>11.0f}"
+            f"{s['rejected']:>9d}{f(s['rejection_p99_ms'], '.0f'):>11}"
+            f"{f(s['ttft_p50_ms'], '.0f'):>9}{f(s['ttft_p99_ms'], '.0f'):>9}"
+            f"{s['gave_up']:>8d}{s['errors']:>7d}")
+
+
+# -- arms and processes --------------------------------------------------------------------
+
+
+def valve_sizes(objective: float, capacity_rps: float, prompt_tokens: int) -> list[int]:
+    """objective x the queue's drain rate (capacity x prompt) x 0.25, 0.5, 1, in whole prompts.
+
+    The valve counts the prompts of requests without a first token; at saturation they leave
+    that state at the engine's completion rate, so this many tokens wait about objective x f.
+    """
+    base = objective * capacity_rps
+    return sorted({max(1, round(base * f)) * prompt_tokens for f in (0.25, 0.5, 1.0)})
+
+
+def parse_arms(text: str, valves: list[int], fixed_limit: int | None) -> list[Arm]:
+    """The arms named in `--arms`; `valve` expands to one arm per size in `valves`."""
+    arms: list[Arm] = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        if name == "direct":
+            arms.append(Arm(name))
+        elif name == "valve":
+            arms += [Arm(f"valve-{n}", ("--max-num-queued-tokens", str(n))) for n in valves]
+        elif name.startswith("valve-") and name[6:].isdigit() and int(name[6:]) > 0:
+            arms.append(Arm(name, ("--max-num-queued-tokens", name[6:])))
+        elif name == "kneegate":
+            arms.append(Arm(name, gateway_flags=()))
+        elif name == "kneegate-w2":
+            arms.append(Arm(name, gateway_flags=("--workers", "2")))
+        elif name == "kneegate-fixed":
+            if fixed_limit is None:
+                raise ValueError("kneegate-fixed needs a limit (--fixed-limit or the sweep)")
+            arms.append(Arm(name, gateway_flags=("--controller", "fixed", "--limit",
+                                                 str(fixed_limit))))
+        else:
+            raise ValueError(f"unknown arm {name!r}: one of {', '.join(ARMS)} or valve-N")
+    return arms
+
+
+def _arm_names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+@contextlib.contextmanager
+def _child(cmd: list[str], ready: str | int) -> Iterator[None]:
+    """overhead._process, with its stderr read by a thread: a full pipe would block the child
+    (a gateway may log per request under overload); the pipe closes when the child has gone."""
+    readers: list[threading.Thread] = []
+    try:
+        with _process(cmd, ready) as proc:
+            assert proc.stderr is not None
+            pipe = proc.stderr
+
+            def read() -> None:
+                with pipe:
+                    for _ in pipe:
+                        pass
+
+            readers.append(threading.Thread(target=read, daemon=True))
+            readers[0].start()
+            yield
+    finally:  # the child has ended: its pipe reaches EOF
+        for reader in readers:
+            reader.join(10.0)
+
+
+@contextlib.contextmanager
+def _serving(arm: Arm, profile: str) -> Iterator[str]:
+    """A fresh engine (and gateway) for one cell; yields the URL the users talk to."""
+    ep = _free_port()
+    engine = [sys.executable, "-m", "benchmarks.engine", "--profile", profile,
+              "--port", str(ep), *arm.engine_flags]
+    with _child(engine, ep):
+        if arm.gateway_flags is None:
+            yield f"http://127.0.0.1:{ep}"
+            return
+        gp = _free_port()
+        gateway = [sys.executable, "-m", "gateway", "serve", "--upstream",
+                   f"http://127.0.0.1:{ep}", "--port", str(gp), *arm.gateway_flags]
+        with _child(gateway, f"http://127.0.0.1:{gp}/health"):
+            yield f"http://127.0.0.1:{gp}"
+
+
+def _measure_engine(args: argparse.Namespace, sweep: bool) -> tuple[float, int | None, Any]:
+    """Capacity (requests/s) of the engine alone, and the sweep's safe level when asked."""
+    with _serving(Arm("direct"), args.profile) as url:
+        cfg = LoadConfig(url=url, model=args.profile, prompt_tokens=args.prompt_tokens,
+                         max_tokens=args.max_tokens, max_seconds=args.capacity_seconds + 2.0,
+                         warmup=2.0, max_requests=10**9)
+        cap = asyncio.run(closed_loop(cfg, args.capacity_streams)).summary()
+        capacity_rps = float(cap["throughput_tok_s"]) / args.max_tokens
+        if not sweep:
+            return capacity_rps, None, None
+        levels = [int(x) for x in args.sweep_levels.split(",")]
+        print(f"sweep of the engine for kneegate-fixed: levels {levels}, "
+              f"{args.sweep_seconds:g} s + 3 s warm-up each", flush=True)
+        points, knee = asyncio.run(run_sweep(
+            url, levels, step_seconds=args.sweep_seconds, warmup=3.0, model=args.profile,
+            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens))
+        # no knee inside the levels: back off from the best level, as the operator would
+        safe = knee.safe if knee.safe is not None else max(1, int(0.8 * knee.peak_level))
+        return capacity_rps, safe, {"points": [asdict(p) for p in points], "knee": asdict(knee)}
+
+
+@dataclass
+class Report:
+    command: str
+    capacity_rps: float = 0.0
+    capacity_tok_s: float = 0.0
+    fixed_limit: int | None = None
+    fixed_limit_from: str = ""
+    valve_tokens: list[int] = field(default_factory=list)
+    sweep: Any = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run(args: argparse.Namespace) -> Report:
+    """The whole benchmark: capacity first, then every (arm, load) cell; prints the table."""
+    loads = [float(x) for x in args.loads.split(",") if x.strip()]
+    names = _arm_names(args.arms)
+    rep = Report(command=shlex.join(["python", "-m", "benchmarks.overload", *args.argv]))
+    print(rep.command)
+    n_valves = 0 if "valve" not in names else (
+        len(args.valve_tokens.split(",")) if args.valve_tokens else 3)
+    cells = (len(names) - ("valve" in names) + n_valves) * len(loads)
+    per_cell = args.warmup + args.seconds + args.request_timeout + _STARTUP_S
+    print(f"{cells} cells (arms x loads), each at most {per_cell:g} s (warm-up {args.warmup:g} "
+          f"+ measured {args.seconds:g} + drain <= {args.request_timeout:g} + start/stop); "
+          f"total <= {cells * per_cell / 60:.1f} min after the capacity phase", flush=True)
+    need_sweep = "kneegate-fixed" in names and args.fixed_limit is None
+    rep.capacity_rps, safe, rep.sweep = _measure_engine(args, need_sweep)
+    rep.capacity_tok_s = rep.capacity_rps * args.max_tokens
+    if rep.capacity_rps <= 0:
+        raise RuntimeError("the engine completed nothing in the capacity run")
+    if args.fixed_limit is not None:
+        rep.fixed_limit, rep.fixed_limit_from = args.fixed_limit, "--fixed-limit"
+    elif safe is not None:
+        rep.fixed_limit, rep.fixed_limit_from = safe, "sweep (5% rule, 20% back-off)"
+    rep.valve_tokens = ([int(x) for x in args.valve_tokens.split(",")] if args.valve_tokens
+                        else valve_sizes(args.objective, rep.capacity_rps, args.prompt_tokens))
+    arms = parse_arms(args.arms, rep.valve_tokens, rep.fixed_limit)
+    print(f"capacity {rep.capacity_rps:.2f} req/s = {rep.capacity_tok_s:.0f} output tok/s "
+          f"(closed loop, {args.capacity_streams} streams, {args.capacity_seconds:g} s); "
+          f"objective {args.objective:g} s from send; give-up {args.give_up:g} s", flush=True)
+    if "valve" in names:
+        print(f"valve sizes (--max-num-queued-tokens): {rep.valve_tokens}", flush=True)
+    if rep.fixed_limit is not None:
+        print(f"kneegate-fixed limit {rep.fixed_limit} ({rep.fixed_limit_from})", flush=True)
+    print(_COLS, flush=True)
+    for load in loads:
+        rate = load * rep.capacity_rps
+        for arm in arms:
+            with _serving(arm, args.profile) as url:
+                recs = asyncio.run(run_cell(url, rate, args, seed=args.seed + int(load * 1000)))
+            s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective)
+            rep.rows.append({"arm": arm.name, "load": load, "offered_rps": rate,
+                             "sent_rps": s["users"] / args.seconds, **s})
+            print(_row(arm.name, load, rate, s), flush=True)
+    return rep
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.overload", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, see above")
+    ap.add_argument("--loads", default="1.5,3,10", help="x the measured capacity")
+    ap.add_argument("--seconds", type=float, default=60.0, help="measured arrivals per cell")
+    ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured arrivals first")
+    ap.add_argument("--objective", type=float, default=2.0, help="TTFT from send, seconds")
+    ap.add_argument("--give-up", type=float, default=20.0, help="no first token by then: leave")
+    ap.add_argument("--request-timeout", type=float, default=60.0,
+                    help="a user's whole time, and the most a cell drains")
+    ap.add_argument("--profile", default="cpu-tiny", help="emulator profile")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--capacity-streams", type=int, default=64)
+    ap.add_argument("--capacity-seconds", type=float, default=8.0)
+    ap.add_argument("--valve-tokens", help="sizes for the valve arm, e.g. 1280,2560,5120")
+    ap.add_argument("--fixed-limit", type=int, help="kneegate-fixed's limit (else a sweep)")
+    ap.add_argument("--sweep-levels", default="4,8,16,32,64")
+    ap.add_argument("--sweep-seconds", type=float, default=10.0, help="measured, per level")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write the run (rows and settings) here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = parser()
+    args = ap.parse_args(argv)
+    args.argv = argv
+    try:
+        parse_arms(args.arms, [1], 1)
+    except ValueError as exc:
+        ap.error(str(exc))
+    rep = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(asdict(rep), indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

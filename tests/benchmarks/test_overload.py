@@ -1,0 +1,154 @@
+"""benchmarks.overload: the figures, the arms, the client's rules over real sockets; the whole
+benchmark in miniature is opt-in (`pytest -m slow`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from benchmarks.overload import Record, main, parse_arms, parser, run_cell, summarize, valve_sizes
+
+
+def test_summarize_judges_by_the_users_clock() -> None:
+    def ok(ttft: float, window: int, **kw: object) -> Record:
+        return Record(True, 200, 0.01, ttft, 64, window, **kw)  # type: ignore[arg-type]
+
+    recs = [
+        ok(0.5, 64, done=True),  # good
+        ok(1.9, 30, done=True),  # good; 34 tokens came after the window
+        ok(3.0, 64, done=True),  # late: not goodput
+        Record(True, 200, 0.01, 1.0, 10, 10, error="cut"),  # good, partial
+        Record(True, status=429, answer=0.004),
+        Record(True, status=503, answer=0.040),
+        Record(True, status=200, answer=0.01, gave_up=True),
+        Record(True, error="ClientOSError"),
+        Record(False, 200, 0.01, 0.7, 64, 20, done=True),  # a warm-up user's last 20 tokens
+        Record(False, status=429, answer=5.0),  # not measured: not in the user figures
+    ]
+    s = summarize(recs, seconds=2.0, capacity_tok_s=100.0, objective=2.0)
+    assert s["users"] == 8
+    assert s["goodput_tok_s"] == (64 + 30 + 10 + 20) / 2
+    assert s["goodput_over_capacity"] == pytest.approx(0.62)
+    assert s["completed_tok_s"] == (64 + 30 + 64 + 20) / 2 and s["completed"] == 3
+    assert s["rejected"] == 2 and s["rejected_by_status"] == {"429": 1, "503": 1}
+    assert s["rejection_p99_ms"] == pytest.approx(39.64)
+    assert s["ttft_p50_ms"] == pytest.approx(1450.0)
+    assert s["gave_up"] == 1 and s["errors"] == 2
+
+
+def test_arms_expand_and_refuse_unknown_names() -> None:
+    assert valve_sizes(2.0, 18.0, 128) == [9 * 128, 18 * 128, 36 * 128]
+    names = "direct,valve,valve-640,kneegate,kneegate-w2,kneegate-fixed"
+    arms = parse_arms(names, [1280, 2560], 25)
+    assert [a.name for a in arms] == ["direct", "valve-1280", "valve-2560", "valve-640",
+                                      "kneegate", "kneegate-w2", "kneegate-fixed"]
+    assert arms[0].gateway_flags is None and arms[3].engine_flags == (
+        "--max-num-queued-tokens", "640")
+    assert arms[4].gateway_flags == ()  # no tuning flags
+    assert arms[6].gateway_flags == ("--controller", "fixed", "--limit", "25")
+    with pytest.raises(ValueError, match="unknown arm"):
+        parse_arms("direct,nginx", [], None)
+    with pytest.raises(ValueError, match="needs a limit"):
+        parse_arms("kneegate-fixed", [], None)
+
+
+def _args(*extra: str):  # type: ignore[no-untyped-def]
+    return parser().parse_args(["--warmup", "0.2", "--seconds", "1", "--give-up", "0.5",
+                                "--request-timeout", "5", *extra])
+
+
+def test_users_below_capacity_are_all_served_within_the_objective(emulator) -> None:  # type: ignore[no-untyped-def]
+    url, _app = emulator
+    users = asyncio.run(run_cell(url, 5.0, _args(), seed=1))  # ~0.3x capacity
+    recs = [r for r in users if r.measured]
+    assert 1 <= len(recs) <= 20  # ~5 measured arrivals
+    assert all(r.status == 200 and r.done and r.tokens == 64 for r in recs)
+    assert 0 < sum(r.window_tokens for r in users) <= 64 * len(users)
+    assert all(r.ttft is not None and r.answer is not None and r.ttft < 2.0 for r in recs)
+
+
+@asynccontextmanager
+async def _peer(answer: bytes | None) -> AsyncIterator[tuple[str, list[str]]]:
+    """A raw HTTP peer: answers `answer` at once, or (None) never; logs how each ended."""
+    log: list[str] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(1000):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                          if h.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            if answer is None:  # hold the request until the client leaves
+                log.append("closed" if await reader.read(1) == b"" else "data")
+                break
+            writer.write(answer)
+            log.append("answered")
+        writer.close()
+
+    async def guarded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handle(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(guarded, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        server.close()
+
+
+def test_a_user_with_no_first_token_gives_up_and_closes_the_stream() -> None:
+    async def go() -> tuple[list[Record], list[str]]:
+        async with _peer(None) as (url, log):
+            users = await run_cell(url, 10.0, _args(), seed=2)
+            async with asyncio.timeout(2):  # the peer sees every user's connection close
+                while len(log) < len(users):
+                    await asyncio.sleep(0.01)
+            return users, log
+
+    users, log = asyncio.run(go())
+    recs = [r for r in users if r.measured]
+    assert recs and all(r.gave_up and r.status is None for r in recs)
+    assert set(log) == {"closed"}
+    s = summarize(users, 1.0, 100.0, 2.0)
+    assert s["gave_up"] == len(recs) and s["goodput_tok_s"] == 0 and s["errors"] == 0
+
+
+def test_a_rejection_is_timed_and_not_retried() -> None:
+    body = b'{"error":{"message":"full","type":"x","param":null,"code":503}}'
+    answer = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+    async def go() -> tuple[list[Record], list[str]]:
+        async with _peer(answer) as (url, log):
+            return await run_cell(url, 20.0, _args(), seed=3), log
+
+    users, log = asyncio.run(go())
+    assert users and all(r.status == 503 and r.answer is not None for r in users)
+    assert len(log) == len(users)  # one try per user
+    recs = [r for r in users if r.measured]
+    s = summarize(users, 1.0, 100.0, 2.0)
+    assert s["rejected"] == len(recs) and s["rejection_p99_ms"] < 1000
+
+
+@pytest.mark.slow
+def test_the_benchmark_in_miniature(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "overload.json"
+    rc = main(["--loads", "3", "--seconds", "3", "--warmup", "1", "--capacity-seconds", "2",
+               "--give-up", "5", "--request-timeout", "10", "--arms",
+               "direct,kneegate-fixed", "--fixed-limit", "16", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "capacity" in text and "kneegate-fixed limit 16 (--fixed-limit)" in text
+    data = json.loads(out.read_text())
+    assert data["capacity_rps"] > 0
+    assert [(r["arm"], r["load"]) for r in data["rows"]] == [("direct", 3.0),
+                                                             ("kneegate-fixed", 3.0)]
+    assert all(r["users"] > 0 for r in data["rows"])
