@@ -74,7 +74,8 @@ Prepare = Callable[[GatewayConfig], GatewayConfig]
 
 def _policies(cfg: GatewayConfig) -> dict[str, ClassPolicy]:
     return {
-        name: ClassPolicy(name, c.priority, c.max_wait, c.queue_share, c.ttft_objective)
+        name: ClassPolicy(name, c.priority, c.max_wait, c.queue_share, c.ttft_objective,
+                          c.queue_budget)
         for name, c in cfg.classes.items()
     }
 

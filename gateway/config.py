@@ -183,6 +183,10 @@ class ClassConfig(_Frozen):
         2.0, gt=0, le=3600,
         description="seconds from arrival to the first token; a request that cannot make it is "
         "refused at once (429 over_objective), one queued past it is answered 503")
+    queue_budget: float = Field(
+        0.25, gt=0, le=1,
+        description="the part of the objective (less the engine's TTFT) a request may be "
+        "predicted to wait in the queue; beyond it, 429 over_objective at once")
 
 
 class TimeoutConfig(_Frozen):

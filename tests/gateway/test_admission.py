@@ -157,7 +157,9 @@ def test_reroute_frees_the_unreachable_slot_without_a_completion() -> None:
 
 # --- the queue bounded by time (issue 12) -------------------------------------------
 
-OBJ = {"chat": ClassPolicy("chat", priority=0, max_wait=30.0, ttft_objective=2.0)}
+# the whole objective as the queue's budget, so the rule's arithmetic shows plainly
+OBJ = {"chat": ClassPolicy("chat", priority=0, max_wait=30.0, ttft_objective=2.0,
+                           queue_budget=1.0)}
 
 
 def _warm(q: AdmissionQueue, rate: float, n: int = 40) -> float:
@@ -182,6 +184,20 @@ def test_a_request_that_cannot_meet_its_objective_is_told_at_once() -> None:
     assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
     assert refused.retry_after == 1
     assert q.depth() == 7
+
+
+def test_by_default_the_queue_may_hold_a_quarter_of_the_objective() -> None:
+    # the same 4/s and 0.25 s engine TTFT: a quarter of 2 - 0.25 is 0.4375 s of queue, so one
+    # may wait (0.25 s predicted), the next (0.5 s) is refused, Retry-After ceil(0.0625) = 1
+    ups = pool(1)
+    q = AdmissionQueue(ups, {"chat": ClassPolicy("chat", ttft_objective=2.0)}, max_queue=64)
+    now = _warm(q, 4.0)
+    q.note_ttft(0.25)
+    assert isinstance(q.offer(Ticket("chat", now), now), Admitted)
+    assert q.offer(Ticket("chat", now), now) == Queued(0)
+    refused = q.offer(Ticket("chat", now), now)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
+    assert refused.retry_after == 1
 
 
 def test_a_request_may_tighten_its_objective() -> None:
