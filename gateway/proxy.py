@@ -15,7 +15,9 @@ One request, in order:
 
 A request whose upstream could not be reached (connect refused or timed out: the engine
 never saw it) marks that upstream failed and moves once to another upstream with room
-(`Gate.reroute`) before its client sees a 502/504. A client sees an upstream by its
+(`Gate.reroute`) before its client sees a 502/504; so does one that vLLM's own admission
+valve refused (a small 503 saying "try again later or on a different instance": the engine
+never started it). A client sees an upstream by its
 configured name only; the URL and the transport's words go to the log.
 
 Three things end an exchange from outside, all by cancelling its task with a reason: the
@@ -356,7 +358,7 @@ class Proxy:
             return
         ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
         self.active.add(ex)
-        resp: UpstreamResponse | None = None
+        resp: Response | None = None
         tap: Tap | None = None
         error: UpstreamError | None = None
         outcome = Outcome.CLIENT_CANCELLED  # what a cancellation leaves behind
@@ -388,7 +390,7 @@ class Proxy:
     async def _open(
         self, ex: Exchange, permit: Permit, scope: Scope, headers: list[tuple[bytes, bytes]],
         body: bytes,
-    ) -> UpstreamResponse:
+    ) -> Response:
         """Send the request upstream; return once the response head arrived.
 
         A connect failure marks that upstream failed and, the engine never having seen
@@ -405,10 +407,24 @@ class Proxy:
             ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
             resp = await self.client.open(method, permit.upstream.url, target, headers, body)
         permit.upstream.answered(self.clock())
-        return resp
+        if resp.status != 503 or not _small(resp.headers):
+            return resp
+        # vLLM's own valve (--max-num-queued-reqs / --max-num-queued-tokens) refuses with a
+        # small 503 before the engine starts the request: another upstream with room may
+        # take it. Read whole (it is small) to tell it from other 503s; relayed from memory
+        # when it stays.
+        with upstream_errors(permit.upstream.url):
+            refusal = await resp.read_all()
+        resp.release()
+        if _VALVE in refusal and self.gate.reroute(permit):
+            ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
+            resp = await self.client.open(method, permit.upstream.url, target, headers, body)
+            permit.upstream.answered(self.clock())
+            return resp  # a second refusal is relayed as it comes
+        return _ReadResponse(resp.status, resp.headers, refusal)
 
     async def _relay(
-        self, ex: Exchange, resp: UpstreamResponse, tap: Tap, send: Send, rid: bytes,
+        self, ex: Exchange, resp: Response, tap: Tap, send: Send, rid: bytes,
         writer: BodyWriter | None,
     ) -> None:
         headers = [h for h in resp.headers if h[0] not in _RESPONSE_DROP]
@@ -511,6 +527,46 @@ def _objective(value: bytes | None) -> float:
             f"x-kneegate-ttft-ms must be a positive number of milliseconds, got "
             f"{value[:32].decode('latin-1')!r}", "x-kneegate-ttft-ms")
     return ms / 1000
+
+
+# in both of vLLM 0.32's admission refusals (vllm/exceptions.py): "...busy and cannot accept
+# new requests" and "...reached its prefill token backlog limit", each followed by this
+_VALVE = b"Please try again later or on a different instance"
+_SMALL = 1 << 16  # bytes: a refusal is a short JSON error
+
+
+def _small(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    for k, v in headers:
+        if k == b"content-length":
+            return v.isdigit() and int(v) <= _SMALL
+    return False
+
+
+class _ReadResponse:
+    """An engine's small response read whole (to look at it), relayed from memory: the
+    parts of `UpstreamResponse` the relay uses."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status, self.headers, self._body = status, headers, body
+
+    async def read(self) -> bytes:
+        body, self._body = self._body, b""
+        return body
+
+    async def pipe(self, sink: Callable[[bytes], bool]) -> bytes:
+        return await self.read()
+
+    def ended(self) -> bool:
+        return True  # what `read` returns is the last of it
+
+    def release(self) -> None:
+        pass  # its connection went back to the pool when it was read
+
+    def close(self) -> None:
+        pass
+
+
+Response = UpstreamResponse | _ReadResponse
 
 
 def _body_writer(scope: Scope) -> BodyWriter | None:

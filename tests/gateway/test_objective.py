@@ -99,3 +99,48 @@ async def test_a_malformed_objective_header_is_a_400_naming_it(rig: Rig, value: 
     err = r.json()["error"]
     assert err["code"] == "invalid_header" and err["param"] == "x-kneegate-ttft-ms"
     assert rig.engine.requests == 0
+
+
+# --- an engine's own valve (vLLM >= 0.32's --max-num-queued-reqs) -------------------------
+
+
+def _two(full: str, free: str) -> dict[str, object]:
+    return {"upstreams": [
+        {"name": "full", "url": full, "controller": "fixed", "params": {"initial": 4}},
+        {"name": "free", "url": free, "controller": "fixed", "params": {"initial": 4}},
+    ]}
+
+
+async def test_a_request_the_engines_valve_refuses_goes_to_another_upstream() -> None:
+    from benchmarks.engine.server import build_app as emulator
+
+    req = {"model": "cpu-tiny", "prompt": "hi", "max_tokens": 2}
+    async with serve(emulator(max_num_queued_reqs=0)) as full, serve(emulator()) as free:
+        app = build_app(gw_config(**_two(full, free)))
+        async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
+            r = await client.post(gw + "/v1/completions", json=req)
+            assert r.status_code == 200, r.text
+            m = scrape((await client.get(gw + "/metrics")).text)
+            engine = scrape((await client.get(full + "/metrics")).text)
+    assert total(engine, "vllm:admission_rejections_total") == 1  # it did refuse it
+    assert total(m, "kneegate_upstream_reroutes_total", upstream="full") == 1
+    assert total(m, "kneegate_requests_finished_total", upstream="free", outcome="completed") == 1
+    assert total(m, "kneegate_in_flight") == 0
+    assert_conserved(m)
+
+
+async def test_with_nowhere_else_the_valves_refusal_is_relayed_unchanged() -> None:
+    from benchmarks.engine.server import build_app as emulator
+
+    req = {"model": "cpu-tiny", "prompt": "hi", "max_tokens": 2}
+    async with serve(emulator(max_num_queued_reqs=0)) as full:
+        app = build_app(gw_config(full))
+        async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
+            direct = await client.post(full + "/v1/completions", json=req)
+            relayed = await client.post(gw + "/v1/completions", json=req)
+            m = scrape((await client.get(gw + "/metrics")).text)
+    assert direct.status_code == relayed.status_code == 503
+    assert relayed.content == direct.content
+    assert total(m, "kneegate_upstream_failures_total", kind="overloaded") == 1
+    assert total(m, "kneegate_in_flight") == 0
+    assert_conserved(m)
