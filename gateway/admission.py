@@ -244,11 +244,10 @@ class AdmissionQueue:
         From the measured completion rate; until there is one (a cold start), from the
         usable upstreams' limits, each slot assumed to free once a second.
         """
-        rate = self._completions.per_second
-        if rate <= 0:
-            rate = float(sum(u.controller.limit for u in self.upstreams if u.usable) or 1)
-        est = (ahead + 1) / rate
-        return int(max(self.retry_after_min, min(self.retry_after_max, math.ceil(est))))
+        wait = self.queue_wait(ahead)
+        if wait is None:
+            wait = (ahead + 1) / (sum(u.controller.limit for u in self.upstreams if u.usable) or 1)
+        return self._clamp(wait)
 
     # --- the decisions -------------------------------------------------------------
 
@@ -272,15 +271,15 @@ class AdmissionQueue:
                 return Admitted(up)
         policy = self.classes[cls]
         objective = min(policy.ttft_objective, ticket.ttft_objective)
-        wait = self.predicted_wait(ahead)
+        wait = self.queue_wait(ahead)
         budget = policy.queue_budget * (objective - self.engine_ttft)
-        if wait is not None and wait - self.engine_ttft > budget:
-            ra = self._clamp(wait - self.engine_ttft - budget)
+        if wait is not None and wait > budget:
+            ra = self._clamp(wait - budget)
             return Rejected(
                 RejectReason.OVER_OBJECTIVE,
                 ra,
                 f"cannot serve a first token within {objective:g}s now ({ahead} waiting, "
-                f"~{wait:.1f}s predicted); retry after {ra}s",
+                f"~{wait + self.engine_ttft:.1f}s predicted); retry after {ra}s",
             )
         if len(self._queues[cls]) >= self.capacity(cls) or self.depth() >= self.max_queue:
             ra = self.retry_after(self.depth())
@@ -352,14 +351,12 @@ class AdmissionQueue:
         late, self._late = self._late, []
         return late
 
-    def predicted_wait(self, ahead: int) -> float | None:
-        """Seconds from now to the first token of a request with `ahead` queued before it:
-        their service at the measured completion rate, then the engine's own time to first
-        token. None until completions have been measured (then nothing is refused)."""
+    def queue_wait(self, ahead: int) -> float | None:
+        """Seconds a request with `ahead` queued before it is predicted to wait for a slot:
+        their service at the measured completion rate. None until completions have been
+        measured (then nothing is refused for its objective)."""
         rate = self._completions.per_second
-        if rate <= 0:
-            return None
-        return (ahead + 1) / rate + self.engine_ttft
+        return (ahead + 1) / rate if rate > 0 else None
 
     def note_ttft(self, seconds: float) -> None:
         """A first token came `seconds` after dispatch: the engine's part of the wait."""
