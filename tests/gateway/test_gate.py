@@ -43,6 +43,14 @@ def make_gate(limit: int = 2, max_queue: int = 4) -> tuple[Gate, Upstream, FakeC
     return gate, up, clock
 
 
+async def one_waiting(gate: Gate) -> tuple[Permit, asyncio.Task[Permit]]:
+    """A request of class lo holding the only slot, and one queued behind it."""
+    held = await gate.acquire("lo")
+    waiting = asyncio.create_task(gate.acquire("lo"))
+    await asyncio.sleep(0)  # the waiter is queued
+    return held, waiting
+
+
 def value(gate: Gate, name: str, **labels: str) -> float:
     return gate.metrics.registry.get_sample_value(name, labels) or 0.0
 
@@ -142,9 +150,7 @@ async def test_wait_past_class_timeout_is_503() -> None:
 
 async def test_caller_leaving_the_queue_is_counted_and_frees_its_place() -> None:
     gate, up, _ = make_gate(limit=1)
-    held = await gate.acquire("lo")
-    waiting = asyncio.create_task(gate.acquire("lo"))
-    await asyncio.sleep(0)
+    held, waiting = await one_waiting(gate)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
@@ -159,9 +165,7 @@ async def test_caller_leaving_the_queue_is_counted_and_frees_its_place() -> None
 async def test_caller_leaving_just_after_dispatch_is_shed_not_admitted() -> None:
     # The engine never saw it: shed client_gone (was counted admitted + client_cancelled).
     gate, up, _ = make_gate(limit=1)
-    held = await gate.acquire("lo")
-    waiting = asyncio.create_task(gate.acquire("lo"))
-    await asyncio.sleep(0)
+    held, waiting = await one_waiting(gate)
     held.finish(Outcome.OK, sample())  # dispatches the waiter: its future is resolved...
     conserved(gate)  # a scrape now sees it queued, not yet admitted nor in flight
     waiting.cancel()  # ...but its task is cancelled before it resumes
@@ -178,9 +182,7 @@ async def test_caller_leaving_just_after_dispatch_is_shed_not_admitted() -> None
 
 async def test_a_handed_slot_is_admitted_when_its_caller_resumes() -> None:
     gate, up, _ = make_gate(limit=1)
-    held = await gate.acquire("lo")
-    waiting = asyncio.create_task(gate.acquire("lo"))
-    await asyncio.sleep(0)
+    held, waiting = await one_waiting(gate)
     held.finish(Outcome.OK, sample())
     assert gate.depth("lo") == 1 and up.inflight == 1  # handed over, caller not resumed
     with anyio.fail_after(1):
