@@ -270,7 +270,7 @@ class AdmissionQueue:
                 self._dispatch(ticket, up, now)
                 return Admitted(up)
         policy = self.classes[cls]
-        objective = min(policy.ttft_objective, ticket.ttft_objective)
+        objective = self.objective(ticket)
         wait = self.queue_wait(ahead)
         budget = policy.queue_budget * (objective - self.engine_ttft)
         if wait is not None and wait > budget:
@@ -295,6 +295,11 @@ class AdmissionQueue:
         ticket.deadline = min(now + policy.max_wait, ticket.due)
         self._queues[cls].append(ticket)
         return Queued(ahead)
+
+    def objective(self, ticket: Ticket) -> float:
+        """Seconds from arrival to the first token that `ticket` must meet: its class's
+        objective, tightened by the request's own."""
+        return min(self.classes[ticket.cls].ttft_objective, ticket.ttft_objective)
 
     def release(self, upstream: UpstreamState, now: float, tokens: int = 0) -> list[Ticket]:
         """A request on `upstream` ended: free its slot (and its ticket's `tokens`) and

@@ -201,6 +201,11 @@ class Gate:
             ttft, tpot, tokens = sample.ttft, sample.tpot, sample.output_tokens
             if ttft is not None and outcome is Outcome.OK:
                 self.queue.note_ttft(ttft)  # the engine's part of a predicted wait
+            if ttft is not None:  # the user's clock: from arrival, not dispatch
+                t = permit.ticket
+                user = ttft + permit.admitted_at - t.arrived_at
+                self.metrics.count_user_ttft(t.cls, user, tokens,
+                                             user <= self.queue.objective(t))
         self.metrics.count_finished(up.name, outcome, ttft, tpot, tokens)
         self._pump(now)
 

@@ -194,6 +194,13 @@ class GatewayMetrics:
         self.ttft = Histogram(
             "kneegate_ttft_seconds", "Dispatch to first streamed event", ["upstream"],
             buckets=_TTFT_BUCKETS, registry=r)
+        self.user_ttft = Histogram(
+            "kneegate_request_ttft_seconds", "Arrival at the gateway to the first streamed "
+            "event: the user's time to first token", ["class"], buckets=_TTFT_BUCKETS,
+            registry=r)
+        self.goodput_tokens = Counter(
+            "kneegate_goodput_tokens", "Output tokens of requests whose first token met "
+            "their objective (from arrival)", ["class"], registry=r)
         self.tpot = Histogram(
             "kneegate_tpot_seconds", "Time per output token after the first", ["upstream"],
             buckets=_TPOT_BUCKETS, registry=r)
@@ -259,3 +266,9 @@ class GatewayMetrics:
             child(self.tpot, upstream).observe(tpot)
         if output_tokens:
             child(self.output_tokens, upstream).inc(output_tokens)
+
+    def count_user_ttft(self, cls: str, ttft: float, output_tokens: int, met: bool) -> None:
+        """One answer's first token `ttft` s after arrival; its tokens are goodput if `met`."""
+        self.child(self.user_ttft, cls).observe(ttft)
+        if met and output_tokens:
+            self.child(self.goodput_tokens, cls).inc(output_tokens)

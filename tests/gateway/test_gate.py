@@ -43,10 +43,10 @@ def make_gate(limit: int = 2, max_queue: int = 4) -> tuple[Gate, Upstream, FakeC
     return gate, up, clock
 
 
-async def one_waiting(gate: Gate) -> tuple[Permit, asyncio.Task[Permit]]:
-    """A request of class lo holding the only slot, and one queued behind it."""
-    held = await gate.acquire("lo")
-    waiting = asyncio.create_task(gate.acquire("lo"))
+async def one_waiting(gate: Gate, cls: str = "lo") -> tuple[Permit, asyncio.Task[Permit]]:
+    """A request of class `cls` holding the only slot, and one queued behind it."""
+    held = await gate.acquire(cls)
+    waiting = asyncio.create_task(gate.acquire(cls))
     await asyncio.sleep(0)  # the waiter is queued
     return held, waiting
 
@@ -248,3 +248,29 @@ async def test_waiter_cancelled_just_before_its_slot_comes_releases_it_once() ->
     assert isinstance(done[0], asyncio.CancelledError), done[0]
     assert up.inflight == 0
     conserved(gate)
+
+
+async def test_user_ttft_and_goodput_are_judged_from_arrival() -> None:
+    """The engine's TTFT is from dispatch; the user's adds the queue wait, and only answers
+    whose first token met the objective from arrival count as goodput."""
+    up = Upstream(name="e0", controller=build_controller("fixed", {"initial": 1}))
+    classes = {"c": ClassPolicy("c", 0, max_wait=5.0, ttft_objective=1.0)}
+    clock, metrics = FakeClock(), GatewayMetrics(CollectorRegistry())
+    gate = Gate(AdmissionQueue([up], classes, 4), metrics, clock)
+    held, waiting = await one_waiting(gate, "c")
+    clock.advance(0.5)
+    held.finish(Outcome.OK, Sample(admitted_at=100.0, duration=0.5, ttft=0.1, prompt_tokens=3,
+                                   output_tokens=11, inflight_at_admit=1, outcome=Outcome.OK))
+    second = await asyncio.wait_for(waiting, 1)
+    assert second.admitted_at == 100.5
+    clock.advance(1.0)  # its engine TTFT is 0.6 s, met from dispatch; 1.1 s from arrival
+    second.finish(Outcome.OK, Sample(admitted_at=100.5, duration=1.0, ttft=0.6,
+                                     prompt_tokens=3, output_tokens=7, inflight_at_admit=1,
+                                     outcome=Outcome.OK))
+    cls = {"class": "c"}
+    assert value(gate, "kneegate_request_ttft_seconds_count", **cls) == 2
+    assert value(gate, "kneegate_request_ttft_seconds_sum", **cls) == pytest.approx(1.2)
+    assert value(gate, "kneegate_ttft_seconds_sum", upstream="e0") == pytest.approx(0.7)
+    assert value(gate, "kneegate_goodput_tokens_total", **cls) == 11
+    assert value(gate, "kneegate_output_tokens_total", upstream="e0") == 18
+
