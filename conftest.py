@@ -56,3 +56,10 @@ def pytest_configure(config: pytest.Config) -> None:
             f"this Python lacks kneegate's test dependencies ({', '.join(missing)}); "
             f"install them and run the tests in that environment:\n    {INSTALL}"
         )
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests run on asyncio, as kneegate does (tests/gateway picks uvloop's loop).
+    anyio would also run them on trio when it is installed (selenium brings it)."""
+    return "asyncio"

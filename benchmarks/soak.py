@@ -82,15 +82,15 @@ def identity_errors(m: dict[str, float]) -> list[str]:
     def g(name: str) -> float:
         return m.get(name, 0.0)
 
-    received = g("kneegate_requests_received_total")
+    received = g("kneegate_requests_received_total") + g("kneegate_requests_requeued_total")
     admitted = g("kneegate_requests_admitted_total")
     rest = (g("kneegate_requests_shed_total") + g("kneegate_requests_queue_timeout_total")
             + g("kneegate_queue_depth"))
     finished = g("kneegate_requests_finished_total") + g("kneegate_in_flight")
     errors = []
     if received != admitted + rest:
-        errors.append(f"received {received:g} != admitted {admitted:g} + shed/timeout/queued "
-                      f"{rest:g}")
+        errors.append(f"received + requeued {received:g} != admitted {admitted:g} "
+                      f"+ shed/timeout/queued {rest:g}")
     if admitted != finished:
         errors.append(f"admitted {admitted:g} != finished + in flight {finished:g}")
     return errors

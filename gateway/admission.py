@@ -15,6 +15,8 @@ very code.
     close()             -> shutting down: every queued ticket, removed; later offers refused
     reroute(ticket, now)-> another upstream for a dispatched ticket whose upstream could not
                            be reached (its slot freed, no completion counted), or None
+    requeue(ticket, now)-> a dispatched ticket its engine refused unstarted (vLLM's valve),
+                           back at the head of its queue while its objective allows
 
 The queue is bounded by time as well as by count. Each class has a TTFT objective, seconds
 from a request's arrival to its first token (a request may carry a tighter one). On offer,
@@ -91,6 +93,7 @@ class UpstreamState:
     inflight: int = 0
     usable: bool = True
     inflight_tokens: int = 0  # the in-flight requests' prompt-size estimates, summed
+    refusing: bool = False  # its engine refused a request unstarted: full until a slot frees
 
     @property
     def fullness(self) -> float:
@@ -100,7 +103,7 @@ class UpstreamState:
         """Room for one more request of `tokens` (estimated prompt tokens): usable, under
         the limit, and within the controller's token budget. An idle upstream always has
         room for one, whatever its budget says: nothing else would ever run."""
-        if not self.usable or self.inflight >= self.controller.limit:
+        if not self.usable or self.refusing or self.inflight >= self.controller.limit:
             return False
         return self.inflight == 0 or self.controller.fits(
             self.inflight, self.inflight_tokens, tokens
@@ -310,6 +313,7 @@ class AdmissionQueue:
 
     def free(self, upstream: UpstreamState, tokens: int = 0) -> None:
         """Give back one slot and its `tokens`; dispatches nothing (`pump` does)."""
+        upstream.refusing = False  # a request left the engine: its own queue has room again
         upstream.inflight -= 1
         upstream.inflight_tokens -= tokens
         assert upstream.inflight >= 0, "released more slots than were taken"
@@ -344,6 +348,9 @@ class AdmissionQueue:
         A request's own objective can make its deadline earlier than those ahead of it, so
         every queued ticket is looked at (the queue is bounded: `max_queue`)."""
         out, self._late = self._late, []
+        for u in self.upstreams:  # refused with nothing of ours in it: others filled it
+            if u.refusing and u.inflight == 0:
+                u.refusing = False  # try again once a tick
         for name, q in self._queues.items():
             if any(t.deadline <= now for t in q):
                 late = [t for t in q if t.deadline <= now]
@@ -416,6 +423,30 @@ class AdmissionQueue:
         self.free(old, ticket.tokens)
         self._dispatch(ticket, best, now)
         return best
+
+    def requeue(self, ticket: Ticket, now: float) -> bool:
+        """A dispatched ticket's engine refused it before starting it (vLLM's own valve,
+        `--max-num-queued-reqs` / `--max-num-queued-tokens`, is full) and no other upstream
+        has room (`reroute` said None): free its slot, mark the upstream `refusing` (no room
+        there until one of its requests ends, when the engine's own queue has room again),
+        and put the ticket back at the head of its class's queue, due (and deadline) as if
+        it had been queued on arrival. False, the ticket left as it was, when a first token
+        can no longer come within its objective (or its class is gone): the refusal stands.
+        Call `pump` after it."""
+        up, policy = ticket.upstream, self.classes.get(ticket.cls)
+        assert up is not None, "only a dispatched ticket can be requeued"
+        if policy is None or self.closed:
+            return False
+        due = ticket.arrived_at + self.objective(ticket) - self.engine_ttft
+        if now >= due:
+            return False
+        self.free(up, ticket.tokens)
+        up.refusing = True
+        ticket.upstream, ticket.dispatched_at = None, None
+        ticket.due = due
+        ticket.deadline = min(ticket.arrived_at + policy.max_wait, due)
+        self._queues[ticket.cls].appendleft(ticket)
+        return True
 
     def timeout_rejection(self, ticket: Ticket) -> Rejected:
         policy = self.classes.get(ticket.cls)

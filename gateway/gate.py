@@ -136,6 +136,10 @@ class Gate:
     async def _wait(self, ticket: Ticket) -> Permit:
         fut: asyncio.Future[Rejected | None] = asyncio.get_running_loop().create_future()
         ticket.payload = fut
+        return await self._slot(ticket, fut)
+
+    async def _slot(self, ticket: Ticket, fut: asyncio.Future[Rejected | None]) -> Permit:
+        """Wait for queued `ticket`'s slot (its payload is `fut`)."""
         try:
             result = await fut
         except asyncio.CancelledError:
@@ -237,6 +241,44 @@ class Gate:
         self.metrics.child(self.metrics.reroutes, old.name).inc()
         self._notify(up, "on_admit", permit.ticket.tokens)
         self.pump()
+        return True
+
+    async def retry_refused(self, permit: Permit, sample: Sample | None) -> bool:
+        """The engine refused `permit`'s request before starting it (vLLM's own valve is
+        full): send it elsewhere rather than pass the 503 on. Another upstream with room
+        takes it (`reroute`); else it goes back to the head of its class's queue while its
+        objective allows and waits for a slot like any queued request, the refusing
+        upstream having no room until one of its requests ends. Its controller hears the
+        refusal as a drop (`sample`) either way.
+
+        True: `permit` now holds the new slot. False: nothing changed, the refusal stands
+        (relay it; finishing the permit feeds the drop). Raises Rejection when the requeued
+        request times out in the queue or the gateway shuts down, CancelledError when its
+        caller leaves (counted like any queued request's).
+
+        Counted: a requeue ends the first admission as `finished{outcome="engine_refused"}`
+        and counts `requeued`; the next slot is admitted again, so
+        received + requeued = admitted + shed + queue_timeout + queue_depth."""
+        old, t = permit.upstream, permit.ticket
+        if self.reroute(permit):
+            old.refusing = True  # after `reroute` freed its slot
+            if sample is not None:
+                self._notify(old, "on_sample", sample)
+            return True
+        now = self.clock()
+        if not self.queue.requeue(t, now):
+            return False
+        m = self.metrics
+        permit._done = True  # its slot is free; a later `finish` must not free another
+        m.child(m.finished, old.name, "engine_refused").inc()
+        m.child(m.requeued, t.cls).inc()
+        if sample is not None:
+            self._notify(old, "on_sample", sample)
+        fut: asyncio.Future[Rejected | None] = asyncio.get_running_loop().create_future()
+        t.payload = fut
+        self._pump(now)  # the head may go at once to an upstream with room
+        again = await self._slot(t, fut)
+        permit.upstream, permit._done = again.upstream, False
         return True
 
     def tick(self, upstreams: list[Upstream]) -> None:

@@ -182,6 +182,10 @@ class GatewayMetrics:
         self.finished = Counter(
             "kneegate_requests_finished", "Admitted requests by how they ended",
             ["upstream", "outcome"], registry=r)
+        self.requeued = Counter(
+            "kneegate_requests_requeued", "Admitted requests an engine refused unstarted "
+            "(vLLM's own valve), put back at the head of their queue", ["class"],
+            registry=r)
         self.failures = Counter(
             "kneegate_upstream_failures", "Upstream errors by kind", ["upstream", "kind"],
             registry=r)

@@ -17,7 +17,8 @@ A request whose upstream could not be reached (connect refused or timed out: the
 never saw it) marks that upstream failed and moves once to another upstream with room
 (`Gate.reroute`) before its client sees a 502/504; so does one that vLLM's own admission
 valve refused (a small 503 saying "try again later or on a different instance": the engine
-never started it). A client sees an upstream by its
+never started it), which with no other upstream to go to waits again at the head of its
+queue while its objective allows (`Gate.retry_refused`). A client sees an upstream by its
 configured name only; the URL and the transport's words go to the log.
 
 Three things end an exchange from outside, all by cancelling its task with a reason: the
@@ -361,6 +362,7 @@ class Proxy:
         resp: Response | None = None
         tap: Tap | None = None
         error: UpstreamError | None = None
+        refused: Rejection | None = None  # requeued after an engine's refusal, then timed out
         outcome = Outcome.CLIENT_CANCELLED  # what a cancellation leaves behind
         try:
             resp = await self._open(ex, permit, scope, headers, body)
@@ -370,20 +372,25 @@ class Proxy:
             outcome = _outcome_for_status(resp.status)
         except UpstreamError as exc:
             outcome, error = self._upstream_failed(permit, exc, rid), exc
+        except Rejection as exc:  # counted by the gate, which has finished the permit
+            refused = exc
         finally:
             # the slot is free before anything else may happen; sync, cancellation-proof
             self.active.discard(ex)
             if ex.aborted is not None:
                 outcome = ex.aborted
-            sample = None
-            try:  # a connect failure says nothing of latency
-                if error is None or not error.unreached:
-                    sample = self._sample(permit, outcome, tap)
-            finally:  # even a sample that cannot be made must not keep the slot
-                permit.finish(outcome, sample)
+            if not permit.done:  # done: requeued by `retry_refused` and counted there
+                sample = None
+                try:  # a connect failure says nothing of latency
+                    if error is None or not error.unreached:
+                        sample = self._sample(permit, outcome, tap)
+                finally:  # even a sample that cannot be made must not keep the slot
+                    permit.finish(outcome, sample)
             if resp is not None:
                 resp.release() if ex.finished else resp.close()
-        if error is not None and not ex.started:
+        if refused is not None:
+            await send_error(send, refused, [(b"x-request-id", rid)])
+        elif error is not None and not ex.started:
             await send_error(send, error.public(permit.upstream.name),
                              [(b"x-request-id", rid)])
 
@@ -407,21 +414,23 @@ class Proxy:
             ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
             resp = await self.client.open(method, permit.upstream.url, target, headers, body)
         permit.upstream.answered(self.clock())
-        if resp.status != 503 or not _small(resp.headers):
-            return resp
         # vLLM's own valve (--max-num-queued-reqs / --max-num-queued-tokens) refuses with a
-        # small 503 before the engine starts the request: another upstream with room may
-        # take it. Read whole (it is small) to tell it from other 503s; relayed from memory
-        # when it stays.
-        with upstream_errors(permit.upstream.url):
-            refusal = await resp.read_all()
-        resp.release()
-        if _VALVE in refusal and self.gate.reroute(permit):
+        # small 503 before the engine starts the request: another upstream with room takes
+        # it, else it waits again at the head of its queue while its objective allows (the
+        # gate bounds the retries: the refusing upstream has no room until one of its
+        # requests ends). Read whole (it is small) to tell it from other 503s; relayed from
+        # memory when it stands.
+        while resp.status == 503 and _small(resp.headers):
+            with upstream_errors(permit.upstream.url):
+                refusal = await resp.read_all()
+            resp.release()
+            if _VALVE not in refusal or not await self.gate.retry_refused(
+                    permit, self._sample(permit, Outcome.UPSTREAM_OVERLOADED, None)):
+                return _ReadResponse(resp.status, resp.headers, refusal)
             ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
             resp = await self.client.open(method, permit.upstream.url, target, headers, body)
             permit.upstream.answered(self.clock())
-            return resp  # a second refusal is relayed as it comes
-        return _ReadResponse(resp.status, resp.headers, refusal)
+        return resp
 
     async def _relay(
         self, ex: Exchange, resp: Response, tap: Tap, send: Send, rid: bytes,

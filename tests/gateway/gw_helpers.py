@@ -43,8 +43,11 @@ def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
 
 
 def assert_conserved(m: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
-    """The outcome identities of DESIGN.md on one /metrics scrape (summed over labels)."""
-    received = total(m, "kneegate_requests_received_total")
+    """The outcome identities of DESIGN.md on one /metrics scrape (summed over labels); a
+    request an engine refused unstarted and kneegate put back in its queue is received
+    once, admitted (and finished) once more."""
+    received = total(m, "kneegate_requests_received_total") + total(
+        m, "kneegate_requests_requeued_total")
     admitted = total(m, "kneegate_requests_admitted_total")
     assert received == admitted + total(m, "kneegate_requests_shed_total") + total(
         m, "kneegate_requests_queue_timeout_total") + total(m, "kneegate_queue_depth")

@@ -245,3 +245,38 @@ def test_a_tighter_objective_behind_expires_first() -> None:
     q.offer(tight, 0.0)
     assert q.expire(0.6) == [tight]
     assert q.depth() == 1
+
+
+def test_a_request_the_engine_refused_waits_again_at_the_head_of_its_queue() -> None:
+    # engine TTFT 0.5 s, objective 2 s: a request that arrived at 0 must be sent by 1.5
+    ups = pool(2)
+    q = AdmissionQueue(ups, OBJ, max_queue=64)
+    q.note_ttft(0.5)
+    refused, other = Ticket("chat", 0.0, tokens=30), Ticket("chat", 0.0)
+    assert q.offer(refused, 0.0) == Admitted(ups[0])
+    assert q.offer(other, 0.0) == Admitted(ups[0])
+    behind = Ticket("chat", 0.2)
+    assert q.offer(behind, 0.2) == Queued(0)
+    assert q.requeue(refused, 0.3)  # the engine's valve refused it
+    assert (ups[0].inflight, ups[0].inflight_tokens, ups[0].refusing) == (1, 0, True)
+    assert (refused.upstream, refused.dispatched_at) == (None, None)
+    assert (refused.due, refused.deadline) == (1.5, 1.5)  # as if queued on arrival
+    assert q.pump(0.3) == []  # the refusing engine has no room, though under its limit
+    assert q.expire(0.4) == []  # nor at a tick while a request of ours is in it
+    assert q.completion_rate == 0.0  # nothing was served
+    assert q.release(ups[0], 0.5) == [refused, behind]  # one ended: it goes first
+    assert (refused.upstream, refused.dispatched_at, ups[0].refusing) == (ups[0], 0.5, False)
+
+
+def test_a_refusal_stands_past_the_objective_and_an_idle_refuser_is_retried_a_tick_on() -> None:
+    ups = pool(1)
+    q = AdmissionQueue(ups, OBJ, max_queue=64)
+    q.note_ttft(0.5)
+    t = Ticket("chat", 0.0)
+    q.offer(t, 0.0)
+    assert not q.requeue(t, 1.5)  # a first token can no longer come within 2 s
+    assert (t.upstream, ups[0].inflight, ups[0].refusing) == (ups[0], 1, False)
+    assert q.requeue(t, 1.0)
+    assert ups[0].inflight == 0 and q.pump(1.0) == []  # filled by others, not by us
+    assert q.expire(1.1) == [] and not ups[0].refusing  # the tick lets it be tried again
+    assert q.pump(1.1) == [t]

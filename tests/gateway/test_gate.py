@@ -59,7 +59,7 @@ def conserved(gate: Gate) -> None:
     reg = gate.metrics.registry
     def s(name: str) -> float:
         return sum(x.value for m in reg.collect() for x in m.samples if x.name == name)
-    received = s("kneegate_requests_received_total")
+    received = s("kneegate_requests_received_total") + s("kneegate_requests_requeued_total")
     admitted = s("kneegate_requests_admitted_total")
     assert received == admitted + s("kneegate_requests_shed_total") + s(
         "kneegate_requests_queue_timeout_total") + s("kneegate_queue_depth")

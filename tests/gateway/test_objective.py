@@ -129,18 +129,59 @@ async def test_a_request_the_engines_valve_refuses_goes_to_another_upstream() ->
     assert_conserved(m)
 
 
-async def test_with_nowhere_else_the_valves_refusal_is_relayed_unchanged() -> None:
+async def test_with_nowhere_else_a_refused_request_waits_at_the_head_of_its_queue() -> None:
+    """An engine that takes one request at a time refuses the others; kneegate, its limit
+    set too high by hand, puts them back in its queue (the refusing engine has no room
+    until one of its requests ends) and every user is served."""
+    from benchmarks.engine.server import build_app as emulator
+
+    req = {"model": "cpu-tiny", "prompt": "hi", "max_tokens": 4}
+    async with serve(emulator(max_num_queued_reqs=1)) as one:
+        app = build_app(gw_config(one, limit=3))
+        async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
+            answers = await asyncio.gather(
+                *[client.post(gw + "/v1/completions", json=req) for _ in range(3)])
+            m = scrape((await client.get(gw + "/metrics")).text)
+            engine = scrape((await client.get(one + "/metrics")).text)
+    assert [r.status_code for r in answers] == [200] * 3
+    refused = total(engine, "vllm:admission_rejections_total")
+    assert refused >= 2  # the two that found it busy, at least once each
+    assert total(m, "kneegate_requests_requeued_total") == refused
+    assert total(m, "kneegate_requests_finished_total", outcome="engine_refused") == refused
+    assert total(m, "kneegate_requests_finished_total", outcome="completed") == 3
+    assert total(m, "kneegate_upstream_failures_total") == 0
+    assert total(m, "kneegate_in_flight") == 0
+    assert_conserved(m)
+
+
+async def test_a_refusal_stands_once_the_objective_has_passed() -> None:
+    """Refused past its objective, the engine's own 503 is relayed unchanged; refused
+    before it, the request waits at the head of the queue, is retried (an idle refusing
+    engine once a tick) and, still refused at its objective, told 503 with Retry-After."""
     from benchmarks.engine.server import build_app as emulator
 
     req = {"model": "cpu-tiny", "prompt": "hi", "max_tokens": 2}
-    async with serve(emulator(max_num_queued_reqs=0)) as full:
-        app = build_app(gw_config(full))
+    async with serve(emulator(max_num_queued_reqs=0)) as full:  # refuses everything
+        app = build_app(gw_config(full, classes={"default": {"ttft_objective": 0.3}}))
         async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
             direct = await client.post(full + "/v1/completions", json=req)
-            relayed = await client.post(gw + "/v1/completions", json=req)
+            at_once = await client.post(gw + "/v1/completions", json=req,  # due at once
+                                        headers={"x-kneegate-ttft-ms": "0.000001"})
+            t0 = time.monotonic()
+            retried = await client.post(gw + "/v1/completions", json=req)
+            waited = time.monotonic() - t0
             m = scrape((await client.get(gw + "/metrics")).text)
-    assert direct.status_code == relayed.status_code == 503
-    assert relayed.content == direct.content
-    assert total(m, "kneegate_upstream_failures_total", kind="overloaded") == 1
+            engine = scrape((await client.get(full + "/metrics")).text)
+    assert direct.status_code == at_once.status_code == 503
+    assert at_once.content == direct.content
+    assert retried.status_code == 503
+    assert retried.headers["x-kneegate-reject-reason"] == "queue_timeout"
+    assert int(retried.headers["retry-after"]) >= 1
+    assert 0.25 <= waited < 1.0  # retried while its 0.3 s objective allowed, then told
+    tries = total(engine, "vllm:admission_rejections_total") - 2  # less direct and at_once
+    assert tries >= 2  # a retry at least
+    assert total(m, "kneegate_requests_requeued_total") == tries
+    assert total(m, "kneegate_requests_queue_timeout_total") == 1
+    assert total(m, "kneegate_upstream_failures_total", kind="overloaded") == 1  # at_once
     assert total(m, "kneegate_in_flight") == 0
     assert_conserved(m)
