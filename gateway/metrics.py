@@ -224,6 +224,8 @@ class GatewayMetrics:
             ["reason"], registry=r)
         for reason in CLIENT_REJECTIONS:
             self.client_rejections.labels(reason)
+        for result in ("ok", "error"):  # from 0: increase() sees the first failed reload
+            self.reloads.labels(result)
         self._live: _LiveCollector | None = None
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
