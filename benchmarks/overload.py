@@ -25,6 +25,9 @@ Arms (`--arms`, comma-separated):
                   the 20% back-off of benchmarks.sweep; keep each step longer than one answer
                   at the top level, or that level reads low)
 
+`--upstream URL --model NAME` measures a running engine (real vLLM) instead: every cell uses
+it as it is (no valve arms; its own flags are set where it was started).
+
 Each (arm, load) cell: `--warmup` s of arrivals that are not measured, then `--seconds` s whose
 arrivals are the measured requests, then arrivals go on (unmeasured, so the measured ones see
 the same load to the end) until every measured request has ended, at most `--request-timeout`
@@ -107,7 +110,7 @@ class _Client:
         self.session, self.args, self.window = session, args, window
         self.endpoint = url.rstrip("/") + "/v1/completions"
         self.body = {  # token ids, as loadgen sends them: the prompt length is exact
-            "model": args.profile,
+            "model": args.model or args.profile,
             "prompt": [100 + i % 1000 for i in range(args.prompt_tokens)],
             "max_tokens": args.max_tokens,
             "stream": True,
@@ -160,9 +163,11 @@ class _Client:
             rec.error = "cut"
 
 
-async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int) -> list[Record]:
+async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
+                   users: list[Record] | None = None) -> list[Record]:
     """Poisson arrivals at `rate`; the records of every user sent (`measured` marks those
-    sent in the measured window).
+    sent in the measured window), appended to `users` as they are sent when given (a
+    caller may watch it).
 
     Arrivals: `warmup` s unmeasured, `seconds` s measured, then unmeasured until every
     measured user has ended or `request_timeout` s have passed. Bounded in count and time.
@@ -170,7 +175,7 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int) -
     rng = random.Random(seed)
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-    users: list[Record] = []
+    users = [] if users is None else users
     tasks: set[asyncio.Task[None]] = set()
     pending = 0
 
@@ -332,8 +337,21 @@ def _child(cmd: list[str], ready: str | int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _serving(arm: Arm, profile: str) -> Iterator[str]:
-    """A fresh engine (and gateway) for one cell; yields the URL the users talk to."""
+def _serving(arm: Arm, profile: str, upstream: str | None = None) -> Iterator[str]:
+    """A fresh engine (and gateway) for one cell; yields the URL the users talk to.
+    With `upstream`, that running engine instead of a fresh emulator."""
+    if upstream is not None:
+        if arm.engine_flags:
+            raise ValueError(f"arm {arm.name} sets engine flags: it needs the emulator")
+        if arm.gateway_flags is None:
+            yield upstream
+            return
+        gp = _free_port()
+        gateway = [sys.executable, "-m", "gateway", "serve", "--upstream", upstream,
+                   "--port", str(gp), *arm.gateway_flags]
+        with _child(gateway, f"http://127.0.0.1:{gp}/health"):
+            yield f"http://127.0.0.1:{gp}"
+        return
     ep = _free_port()
     engine = [sys.executable, "-m", "benchmarks.engine", "--profile", profile,
               "--port", str(ep), *arm.engine_flags]
@@ -350,10 +368,11 @@ def _serving(arm: Arm, profile: str) -> Iterator[str]:
 
 def _measure_engine(args: argparse.Namespace, sweep: bool) -> tuple[float, int | None, Any]:
     """Capacity (requests/s) of the engine alone, and the sweep's safe level when asked."""
-    with _serving(Arm("direct"), args.profile) as url:
-        cfg = LoadConfig(url=url, model=args.profile, prompt_tokens=args.prompt_tokens,
-                         max_tokens=args.max_tokens, max_seconds=args.capacity_seconds + 2.0,
-                         warmup=2.0, max_requests=10**9)
+    with _serving(Arm("direct"), args.profile, args.upstream) as url:
+        cfg = LoadConfig(url=url, model=args.model or args.profile,
+                         prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                         max_seconds=args.capacity_seconds + 2.0, warmup=2.0,
+                         max_requests=10**9)
         cap = asyncio.run(closed_loop(cfg, args.capacity_streams)).summary()
         capacity_rps = float(cap["throughput_tok_s"]) / args.max_tokens
         if not sweep:
@@ -362,7 +381,8 @@ def _measure_engine(args: argparse.Namespace, sweep: bool) -> tuple[float, int |
         print(f"sweep of the engine for kneegate-fixed: levels {levels}, "
               f"{args.sweep_seconds:g} s + 3 s warm-up each", flush=True)
         points, knee = asyncio.run(run_sweep(
-            url, levels, step_seconds=args.sweep_seconds, warmup=3.0, model=args.profile,
+            url, levels, step_seconds=args.sweep_seconds, warmup=3.0,
+            model=args.model or args.profile,
             prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens))
         # no knee inside the levels: back off from the best level, as the operator would
         safe = knee.safe if knee.safe is not None else max(1, int(0.8 * knee.peak_level))
@@ -417,7 +437,7 @@ def run(args: argparse.Namespace) -> Report:
     for load in loads:
         rate = load * rep.capacity_rps
         for arm in arms:
-            with _serving(arm, args.profile) as url:
+            with _serving(arm, args.profile, args.upstream) as url:
                 recs = asyncio.run(run_cell(url, rate, args, seed=args.seed + int(load * 1000)))
             s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective)
             rep.rows.append({"arm": arm.name, "load": load, "offered_rps": rate,
@@ -438,6 +458,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--request-timeout", type=float, default=60.0,
                     help="a user's whole time, and the most a cell drains")
     ap.add_argument("--profile", default="cpu-tiny", help="emulator profile")
+    ap.add_argument("--upstream", help="a running engine (e.g. vLLM) instead of a fresh "
+                    "emulator per cell: arms direct, kneegate, kneegate-w2, kneegate-fixed")
+    ap.add_argument("--model", help="the model name requests carry (default: the profile)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--capacity-streams", type=int, default=64)

@@ -446,6 +446,7 @@ class _Sim:
                     Outcome.OK,
                 )
             )
+            q.note_ttft(r.first - r.dispatched)  # as the gate does: the engine's part
             admitted = q.release(up, now, r.prompt)
             if now < self.sc.duration:  # draining: what was queued stays undispatched
                 for ticket in admitted:

@@ -3,7 +3,7 @@
     kneegate serve [--config FILE] [--upstream URL ...] [--host H] [--port P]
                    [--controller NAME] [--limit N] [--workers N] [--ttft-objective S]
     kneegate check-config FILE        # exit 0, or 1 naming the field path and the reason
-    kneegate demo                     # gateway + emulator + a load ramp past the knee
+    kneegate demo                     # the same overload direct and through kneegate
     kneegate engine|sweep|simulate …  # the tools in benchmarks/ (loaded only when asked)
 
 Flags override the file. `--limit N` sets every upstream's controller `initial` (and lifts
@@ -93,10 +93,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gateway.demo import run_demo
+    from benchmarks.demo import run_demo  # the load tools and the emulator: asked for only
 
-    return int(run_demo(seconds=args.seconds, limit=args.limit, peak=args.peak,
-                        controller=args.controller))
+    return int(run_demo(load=args.load, seconds=args.seconds, profile=args.profile))
 
 
 def _lazy(module: str, func: str = "main") -> Callable[[list[str]], int]:
@@ -125,11 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
     check.set_defaults(func=cmd_check)
-    demo = sub.add_parser("demo", help="gateway + emulator + a load ramp past the knee")
-    demo.add_argument("--seconds", type=float, default=60.0, help="length of the ramp")
-    demo.add_argument("--limit", type=int, default=8, help="the controller's initial limit")
-    demo.add_argument("--peak", type=int, default=96, help="concurrent clients at the top")
-    demo.add_argument("--controller", default="knee", help="fixed, aimd, gradient, knee")
+    demo = sub.add_parser("demo", help="the same overload sent direct and through kneegate")
+    demo.add_argument("--load", type=float, default=3.0, help="x the engine's capacity")
+    demo.add_argument("--seconds", type=float, default=20.0, help="measured, per arm")
+    demo.add_argument("--profile", default="cpu-tiny", help="the emulator's engine profile")
     demo.set_defaults(func=cmd_demo)
     for name in PASSTHROUGH:
         sub.add_parser(name, help=f"benchmarks: {name} (its own --help)", add_help=False)

@@ -280,3 +280,26 @@ def test_a_refusal_stands_past_the_objective_and_an_idle_refuser_is_retried_a_ti
     assert ups[0].inflight == 0 and q.pump(1.0) == []  # filled by others, not by us
     assert q.expire(1.1) == [] and not ups[0].refusing  # the tick lets it be tried again
     assert q.pump(1.1) == [t]
+
+
+def test_a_standing_queue_answers_heads_over_target_instead_of_dispatching_them() -> None:
+    # objective 8 s, budget a quarter: heads should wait at most 2 s (the target). The one
+    # slot is held throughout; a request arrives each second and the tick pumps each second.
+    ups = pool(1)
+    q = AdmissionQueue(ups, {"c": ClassPolicy("c", ttft_objective=8.0)}, max_queue=64)
+    q.offer(Ticket("c", 0.0), 0.0)  # holds the slot
+    tickets, late = [], []
+    for t in range(11):
+        tickets.append(Ticket("c", float(t)))
+        assert isinstance(q.offer(tickets[-1], float(t)), Queued)
+        assert q.pump(float(t)) == []
+        late.append(q.take_late())
+    # at 2 the head had waited 2 s, the target, for the last time; from 8 on each head
+    # leaves at its objective (due at arrival + 8), one a second, as without the net
+    assert late[:8] == [[]] * 8 and [x for t in late[8:] for x in t] == tickets[:3]
+    # at 10.5 every head has waited over target for 8.5 s (> 4 targets): the queue stands,
+    # and every head over target is answered now, 0.5-5.5 s before its objective
+    assert q.pump(10.5) == []
+    assert q.take_late() == tickets[3:9]
+    assert q.depth() == 2  # those that waited no more than the target stay
+    assert q.pump(11.0) == [] and q.take_late() == []  # no longer standing

@@ -19,8 +19,6 @@ import httpx
 import pytest
 from gw_helpers import FakeEngine, serve
 
-from gateway.demo import run_demo
-
 pytestmark = pytest.mark.anyio
 
 
@@ -134,15 +132,6 @@ async def test_serve_without_upstream_embeds_the_emulator() -> None:
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
-def test_demo_runs_a_short_ramp(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("benchmarks.engine.server")
-    assert run_demo(seconds=2.0, limit=2, peak=4, max_requests=200) == 0
-    out = capsys.readouterr().out
-    lines = [ln for ln in out.splitlines() if ln.strip().endswith(("ms", "-"))]
-    assert "running" in out and "429s" in out and lines
-    assert all(int(ln.split()[2]) <= 2 for ln in lines)  # the engine never held more
-
-
 def test_python_dash_m_gateway_is_the_cli() -> None:
     out = subprocess.run([sys.executable, "-m", "gateway", "--help"], capture_output=True,
                          text=True, check=True, env={**os.environ})
@@ -150,7 +139,7 @@ def test_python_dash_m_gateway_is_the_cli() -> None:
 
 
 def test_gateway_never_loads_benchmarks_by_itself() -> None:
-    code = ("import sys, gateway.app, gateway.cli, gateway.server, gateway.demo; "
+    code = ("import sys, gateway.app, gateway.cli, gateway.server; "
             "print(sorted(m for m in sys.modules if m.startswith('benchmarks')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

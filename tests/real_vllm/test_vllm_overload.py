@@ -1,0 +1,36 @@
+"""At 3x its capacity, real vLLM's users get at least twice the goodput through kneegate
+untuned as they get direct, judged by the user's clock (issue 12).
+
+`benchmarks.overload` against the tier's vLLM: its capacity measured first (closed loop, 64
+streams), then Poisson arrivals at 3x that for 30 s (after 5 s of warm-up) sent straight to
+vLLM, then through `kneegate serve --upstream URL` with no other flag; streaming, 128-token
+prompts, 64 output tokens; a user with no first token after 20 s gives up; a rejection is not
+retried. Goodput: output tokens of users whose first token came within 2 s of sending. The
+issue measured 0.23-0.25 of capacity direct and 0.03-0.06 through kneegate's old default.
+About 4 minutes after vLLM is up.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm_server import VllmServer
+
+from benchmarks.overload import parser, run
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
+
+
+def test_kneegate_untuned_at_least_doubles_the_goodput_of_vllm_alone_at_3x(
+        vllm: VllmServer) -> None:
+    argv = ["--upstream", vllm.url, "--model", vllm.model, "--arms", "direct,kneegate",
+            "--loads", "3", "--seconds", "30", "--warmup", "5", "--request-timeout", "30",
+            "--capacity-seconds", "10"]
+    args = parser().parse_args(argv)
+    args.argv = argv
+    rep = run(args)
+    rows = {r["arm"]: r for r in rep.rows}
+    direct, kneegate = rows["direct"], rows["kneegate"]
+    assert kneegate["goodput_tok_s"] >= 2 * direct["goodput_tok_s"]
+    assert kneegate["goodput_tok_s"] > 0.3 * rep.capacity_tok_s
+    assert kneegate["gave_up"] == 0  # answered or served, never left waiting
+    assert kneegate["errors"] == 0
