@@ -108,6 +108,7 @@ class Gateway:
             config.timeouts.connect, max_header_bytes=config.limits.max_upstream_header_bytes)
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
                            clock)
+        self.proxy.access.enabled = config.server.access_log
         self.metrics.bind_live(self.pool.all, self._depths, clock)
         self._ticker: asyncio.Task[None] | None = None
         self.watcher = ConfigWatcher(config_path) if config_path is not None else None
