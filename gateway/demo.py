@@ -106,7 +106,8 @@ async def _demo(seconds: float, limit: int, peak: int, controller: str,
         cfg = parse_config({
             "upstreams": [{"name": "emulator", "url": up, "controller": controller,
                            "params": {"initial": limit}, "scrape": True}],
-            "max_queue": max(4, limit), "classes": {"default": {"max_wait": 3.0}}})
+            "max_queue": max(4, limit), "classes": {"default": {"max_wait": 3.0}},
+            "server": {"access_log": False}})  # the table is the demo's output
         gateway = build_app(cfg)
         async with serving(gateway, log_level="error") as gw:
             await _ramp(gw, up, gateway.gateway.status, seconds, peak, max_requests, max_seqs)
