@@ -12,6 +12,8 @@ against the few fields of the CRD (monitoring.coreos.com/v1) it uses, written ou
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +241,15 @@ def test_the_image_runs_as_the_manifests_non_root_user() -> None:
     assert int(gid or uid) == pod["runAsGroup"]
     assert re.search(rf"useradd\b.*--uid {uid}\b", dockerfile), "the user exists in the image"
     assert "--config" in dockerfile and _config_path() in dockerfile
+
+
+def test_kustomize_builds_the_manifests() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    built = {d["kind"]: d for d in yaml.safe_load_all(out)}
+    assert set(built) == set(DOCS)
+    for doc in built.values():
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kneegate"
