@@ -102,6 +102,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
+    configure_logging("text")
+
     return int(run_demo(seconds=args.seconds, limit=args.limit, peak=args.peak,
                         controller=args.controller))
 
@@ -148,7 +150,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in PASSTHROUGH:
         return PASSTHROUGH[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
-    configure_logging("text")
     try:
         return int(args.func(args))
     except ConfigError as exc:

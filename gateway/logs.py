@@ -54,6 +54,10 @@ def _utc(created: float) -> str:
         f".{int(created % 1 * 1000):03d}Z")
 
 
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler `configure` installs (so a second call knows which one to replace)."""
+
+
 def _not_embedded(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING or not EMBEDDED.get()
 
@@ -62,14 +66,15 @@ def configure(
     fmt: Literal["text", "json"] = "text", level: int = logging.INFO,
     stream: TextIO | None = None,
 ) -> logging.Handler:
-    """Route every record to one stream handler in `fmt`; returns that handler. Replaces
-    the root's handlers (a second call reconfigures, it never adds a second copy)."""
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    """Route every record to one stream handler in `fmt`; returns that handler. A second
+    call replaces the handler the first one installed (never a second copy)."""
+    handler = _Handler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     handler.addFilter(_not_embedded)
     root = logging.getLogger()
     for old in root.handlers[:]:
-        root.removeHandler(old)
+        if isinstance(old, _Handler):
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
