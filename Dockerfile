@@ -15,11 +15,13 @@ COPY gateway ./gateway
 COPY controllers ./controllers
 COPY benchmarks ./benchmarks
 RUN pip install . \
-    && useradd --system --uid 10001 --no-create-home kneegate \
+    && groupadd --system --gid 10001 kneegate \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home kneegate \
     && mkdir -p /etc/kneegate
 COPY examples/kneegate.yaml /etc/kneegate/kneegate.yaml
 
-USER kneegate
+# numeric, so Kubernetes' runAsNonRoot can check it (deploy/kubernetes runs as 10001 too)
+USER 10001:10001
 EXPOSE 8080
 # /health answers while the process is alive; /ready would also need a usable engine.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \

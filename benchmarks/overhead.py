@@ -83,7 +83,8 @@ def _wait_port(port: int, seconds: float = 20.0) -> None:
 
 @contextlib.contextmanager
 def _process(cmd: list[str], ready: str | int) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # never read: a pipe would fill and block the child (a gateway logs a line per request)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         if isinstance(ready, int):
             _wait_port(ready)
@@ -129,7 +130,8 @@ def _gateway(up_port: int, workers: int) -> Iterator[tuple[int, int]]:
     cores = PROXY_CORES if workers == 1 else f"0-{(os.cpu_count() or 1) - 1}"
     cmd = [*_pin(cores), sys.executable, "-m", "gateway", "serve",
            "--upstream", f"http://127.0.0.1:{up_port}", "--port", str(port),
-           "--controller", "fixed", "--limit", "100000", "--workers", str(workers)]
+           "--controller", "fixed", "--limit", "100000", "--workers", str(workers),
+           "--no-access-log"]  # like nginx's `access_log off` below
     with _process(cmd, f"http://127.0.0.1:{port}/health") as proc:
         yield port, proc.pid
 

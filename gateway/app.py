@@ -13,7 +13,8 @@ an encoded '/' or '\\'), and never reaches the gateway's own endpoints.
 
 `Gateway` is the process's runtime: pool, queue, gate, client, metrics, the tick task,
 `apply(config)` which swaps limits, timeouts, classes and upstreams in place without
-touching requests in flight, and `drain()`, the first step of a graceful shutdown.
+touching requests in flight, `drain()`, the first step of a graceful shutdown, and the
+watch of the config file (gateway/watch.py): a file changed on disk is reloaded like SIGHUP.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from gateway.proxy import (
 from gateway.types import Clock, Receive, Scope, Send
 from gateway.upstream_client import UpstreamClient
 from gateway.upstreams import UpstreamPool
+from gateway.watch import ConfigWatcher
 
 __all__ = ["Gateway", "KneegateApp", "build_app"]
 
@@ -106,8 +108,11 @@ class Gateway:
             config.timeouts.connect, max_header_bytes=config.limits.max_upstream_header_bytes)
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
                            clock)
+        self.proxy.access.enabled = config.server.access_log
         self.metrics.bind_live(self.pool.all, self._depths, clock)
         self._ticker: asyncio.Task[None] | None = None
+        self.watcher = ConfigWatcher(config_path) if config_path is not None else None
+        self._watching: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.draining = False
         self._cut_timer: asyncio.TimerHandle | None = None
@@ -119,6 +124,9 @@ class Gateway:
         await self.client.start()
         await self.pool.first_contact(self.client)  # so /ready knows who answers
         self._ticker = asyncio.create_task(self._tick_loop())
+        interval = self.config.server.config_poll_interval
+        if self.watcher is not None and interval > 0:
+            self._watching = asyncio.create_task(self._watch_loop(self.watcher, interval))
 
     def drain(self) -> None:
         """Begin a graceful shutdown (the server calls this on SIGTERM/SIGINT, before it
@@ -143,7 +151,7 @@ class Gateway:
     async def stop(self) -> None:
         if self._cut_timer is not None:
             self._cut_timer.cancel()
-        tasks = [t for t in (self._ticker, *self._background) if t is not None]
+        tasks = [t for t in (self._ticker, self._watching, *self._background) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -156,6 +164,17 @@ class Gateway:
                 self.tick()
             except Exception:  # a controller bug must not stop admission
                 log.exception("tick failed")
+
+    async def _watch_loop(self, watcher: ConfigWatcher, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            if not watcher.poll():
+                continue
+            log.warning("config file %s changed on disk: reloading", watcher.path)
+            try:
+                self.reload()
+            except Exception:  # `prepare` is the CLI's: a bug there must not stop the watch
+                log.exception("config reload failed")
 
     def tick(self) -> None:
         now = self.clock()
@@ -193,6 +212,8 @@ class Gateway:
             self.metrics.reloads.labels("error").inc()
             log.error("config reload asked for, but kneegate was started without --config")
             return False, "no config file to reload (started without --config)"
+        if self.watcher is not None:
+            self.watcher.loading()  # this version of the file is judged now, once
         try:
             cfg, notes = self._reloaded(self.config_path)
         except ConfigError as exc:  # its text never holds a secret (gateway/config.py)

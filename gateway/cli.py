@@ -2,6 +2,7 @@
 
     kneegate serve [--config FILE] [--upstream URL ...] [--host H] [--port P]
                    [--controller NAME] [--limit N] [--workers N] [--ttft-objective S]
+                   [--log-format text|json] [--no-access-log]
     kneegate check-config FILE        # exit 0, or 1 naming the field path and the reason
     kneegate demo                     # the same overload direct and through kneegate
     kneegate engine|sweep|simulate …  # the tools in benchmarks/ (loaded only when asked)
@@ -23,6 +24,7 @@ from typing import Any
 
 from gateway.config import GatewayConfig, load_config, parse_config
 from gateway.errors import ConfigError
+from gateway.logs import configure as configure_logging
 
 __all__ = ["apply_flags", "main"]
 
@@ -42,6 +44,10 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="processes sharing the port")
     p.add_argument("--ttft-objective", type=float, metavar="SECONDS",
                    help="the default class's time from arrival to first token (default 2)")
+    p.add_argument("--log-format", choices=["text", "json"],
+                   help="text lines, or one JSON object per line (default: the file's, text)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false", default=None,
+                   help="no log line per request")
 
 
 def apply_flags(cfg: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
@@ -66,8 +72,8 @@ def apply_flags(cfg: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
     if objective is not None:
         data["classes"][data["default_class"]]["ttft_objective"] = objective
     server = data["server"]
-    for key in ("host", "port", "workers"):
-        if getattr(args, key) is not None:
+    for key in ("host", "port", "workers", "log_format", "access_log"):
+        if getattr(args, key, None) is not None:
             server[key] = getattr(args, key)
     return parse_config(data, "command line")
 
@@ -81,6 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server import run
 
     cfg = _load(args)
+    configure_logging(cfg.server.log_format)
     return run(cfg, prepare=lambda c: apply_flags(c, args), config_path=args.config)
 
 
@@ -95,6 +102,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from benchmarks.demo import run_demo  # the load tools and the emulator: asked for only
 
+    configure_logging("text")
     return int(run_demo(load=args.load, seconds=args.seconds, profile=args.profile))
 
 
@@ -139,7 +147,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in PASSTHROUGH:
         return PASSTHROUGH[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         return int(args.func(args))
     except ConfigError as exc:

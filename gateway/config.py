@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -234,6 +234,13 @@ class ServerConfig(_Frozen):
         30.0, ge=0, le=3600,
         description="on SIGTERM/SIGINT, seconds streams in flight may run on before they are "
         "cut (queued requests get 503 at once); keep it under the orchestrator's kill timeout")
+    config_poll_interval: float = Field(
+        2.0, ge=0, le=3600,
+        description="seconds between checks of the --config file; a changed file is reloaded "
+        "like SIGHUP (a Kubernetes ConfigMap update too); 0: only on SIGHUP or POST reload")
+    access_log: bool = Field(True, description="one log line per proxied request")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text lines, or one JSON object per line (every record)")
 
 
 class GatewayConfig(_Frozen):

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from controllers.base import Outcome, Sample
+from gateway.access import AccessLog
 from gateway.config import GatewayConfig
 from gateway.errors import (
     BodyTooLarge,
@@ -237,6 +238,7 @@ class Proxy:
         self.clock = clock
         self.active: set[Exchange] = set()
         self.cut_off: set[Exchange] = set()  # cut by `cut` (shutdown), answered 503 if unstarted
+        self.access = AccessLog(clock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         s = self.settings
@@ -244,6 +246,7 @@ class Proxy:
         try:
             objective = _objective(ttft_ms)
         except InvalidHeader as exc:
+            self.access.refused(rid, cls, exc)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         try:
@@ -254,6 +257,7 @@ class Proxy:
             body = await read_body(receive, s.max_body)
         except BodyTooLarge as exc:
             self.gate.metrics.count_client_rejection("body_too_large")
+            self.access.refused(rid, cls, exc)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         if body is None:
@@ -294,6 +298,14 @@ class Proxy:
             return ShuttingDown("kneegate shut down before the engine answered; retry",
                                 self.gate.queue.retry_after_min)
         return None
+
+    def _status(self, ex: Exchange, resp: Response | None, error: HTTPError | None) -> int:
+        """The status the client got, or is about to get (499: none, it left)."""
+        if ex.started and resp is not None:
+            return resp.status
+        if error is None and ex.aborted is not None:
+            error = self._abort_error(ex, self.settings)
+        return error.status if error is not None else 499
 
     def cut(self) -> int:
         """Abort every exchange in flight (the shutdown grace is over): counted as
@@ -355,6 +367,7 @@ class Proxy:
         try:
             permit = await self.gate.acquire(cls, size, objective)
         except Rejection as exc:
+            self.access.refused(rid, cls, exc)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
@@ -388,6 +401,11 @@ class Proxy:
                     permit.finish(outcome, sample)
             if resp is not None:
                 resp.release() if ex.finished else resp.close()
+            if self.access.on():
+                if refused is not None:
+                    self.access.refused(rid, cls, refused)
+                else:
+                    self.access.finished(rid, permit, outcome, self._status(ex, resp, error), tap)
         if refused is not None:
             await send_error(send, refused, [(b"x-request-id", rid)])
         elif error is not None and not ex.started:

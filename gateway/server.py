@@ -37,7 +37,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -45,6 +45,7 @@ import uvicorn
 
 from gateway.app import KneegateApp, build_app
 from gateway.config import GatewayConfig, LimitsConfig, split_for_worker
+from gateway.logs import EMBEDDED
 from gateway.wire import ClientLimits, KneegateHttpProtocol, WireConfig
 
 __all__ = [
@@ -86,7 +87,8 @@ def uvicorn_config(
         loop="uvloop",
         http=http,
         lifespan="on",
-        access_log=False,  # a log line per request would cost more than the relay
+        access_log=False,  # ours is written by the proxy (gateway/access.py), with its outcome
+        log_config=None,  # no handler of uvicorn's own: its records go to ours (gateway/logs.py)
         proxy_headers=False,  # we are the proxy: the peer's address is the client's
         server_header=False,  # the upstream's own Server and Date headers pass through
         date_header=False,
@@ -238,7 +240,7 @@ async def _serve_worker(
     engine_task = None
     if engine_sock is not None:
         engine = QuietServer(uvicorn_config(_emulator_app()))
-        engine_task = asyncio.create_task(engine.serve(sockets=[engine_sock]))
+        engine_task = asyncio.create_task(_embedded(engine.serve(sockets=[engine_sock])))
     app = build_app(prepare(cfg), config_path=config_path, prepare=prepare)
     server = GatewayServer(uvicorn_config(app, log_level="info"))
     # start-up objects (modules, config, app) never die: keep them out of every later
@@ -256,6 +258,13 @@ async def _serve_worker(
         if engine is not None and engine_task is not None:
             engine.should_exit = True
             await engine_task
+
+
+async def _embedded(serve: Awaitable[None]) -> None:
+    # the emulator's uvicorn logs through the same loggers as the gateway's: marked, so its
+    # info lines ("Started server process" again) are dropped (gateway/logs.py)
+    EMBEDDED.set(True)
+    await serve
 
 
 def _worker_main(
@@ -281,6 +290,7 @@ def _engine_main(sock: socket.socket, inherited: socket.socket) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = QuietServer(uvicorn_config(_emulator_app()))
     parent = os.getppid()
+    EMBEDDED.set(True)
 
     async def serve() -> None:
         asyncio.get_running_loop().add_signal_handler(
