@@ -94,10 +94,16 @@ class upstream_errors:
 
 
 class _Conn(asyncio.Protocol):
-    """One keep-alive connection to an engine; parses one response at a time."""
+    """One keep-alive connection to an engine; parses one response at a time.
 
-    def __init__(self, client: UpstreamClient, key: Origin) -> None:
-        self.client, self.key = client, key
+    It never touches the pool's lists: it calls `release(self)` when it becomes reusable
+    (a response read to its end, `finish`) and when it is closed (by either side), and the
+    pool files it as idle or forgets it (httpcore's pool is told the same way).
+    """
+
+    def __init__(self, key: Origin, max_header_bytes: int,
+                 release: Callable[[_Conn], None]) -> None:
+        self.key, self.max_header_bytes, self._release = key, max_header_bytes, release
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.fd = -1  # the plain socket's descriptor, to look for bytes before reuse
@@ -149,7 +155,7 @@ class _Conn(asyncio.Protocol):
                 self.error = exc
             self.close()
         else:
-            if not self.got_headers and self.head_fed > self.client.max_header_bytes:
+            if not self.got_headers and self.head_fed > self.max_header_bytes:
                 self._head_too_large()
         if self.buf:
             # Push mode: write through from here, so the relay sleeps on (no task switch per
@@ -164,7 +170,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._unpool()
+        self._release(self)
         if self.got_headers and not self.framed and exc is None:
             self.done = True
         if not self.done and self.error is None:
@@ -182,7 +188,7 @@ class _Conn(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         # `data_received` bounds a head still arriving; this, one completed in a chunk
         self.head_size += len(name) + len(value) + 4  # "name: value\r\n"
-        if self.head_size > self.client.max_header_bytes:
+        if self.head_size > self.max_header_bytes:
             self._head_too_large()
             raise _Stop
         self.headers.append((name.lower(), value))
@@ -217,7 +223,7 @@ class _Conn(asyncio.Protocol):
         self.reusable = self.parser.should_keep_alive()  # only true inside this callback
 
     def _head_too_large(self) -> None:
-        limit = self.client.max_header_bytes
+        limit = self.max_header_bytes
         self.error = UpstreamError(
             f"upstream {self.key[0]}:{self.key[1]} sent a response head over {limit} bytes",
             "response headers too large")
@@ -304,14 +310,9 @@ class _Conn(asyncio.Protocol):
     def close(self) -> None:
         self.closed = True
         self.sink = None
-        self._unpool()
+        self._release(self)
         if self.transport is not None:
             self.transport.close()
-
-    def _unpool(self) -> None:
-        idle = self.client._idle.get(self.key)
-        if idle is not None:
-            idle.pop(self, None)
 
     def pending(self) -> bool:
         """True when bytes wait unread in the socket (the loop has not delivered them yet):
@@ -328,7 +329,7 @@ class _Conn(asyncio.Protocol):
         if (self.done and self.reusable and not self.closed and not self.head_only
                 and self.error is None):
             self._reset()
-            self.client._idle.setdefault(self.key, {})[self] = None
+            self._release(self)
         else:
             self.close()
 
@@ -401,6 +402,16 @@ class UpstreamClient:
                 c.close()
         self._idle.clear()
 
+    def _release(self, conn: _Conn) -> None:
+        """A connection's word to its pool: reusable (filed as idle, most recent last) or
+        closed (forgotten). Only the pool edits its idle lists."""
+        if conn.closed:
+            idle = self._idle.get(conn.key)
+            if idle is not None:
+                idle.pop(conn, None)
+        else:
+            self._idle.setdefault(conn.key, {})[conn] = None
+
     async def _connect(self, key: Origin) -> _Conn:
         host, port, tls = key
         if tls and self._ssl is None:
@@ -409,7 +420,8 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 transport, conn = await loop.create_connection(
-                    lambda: _Conn(self, key), host, port, ssl=self._ssl if tls else None)
+                    lambda: _Conn(key, self.max_header_bytes, self._release), host, port,
+                    ssl=self._ssl if tls else None)
         except TimeoutError as exc:
             raise UpstreamConnectTimeout(
                 f"connect to upstream {host}:{port} timed out after {self.connect_timeout:g}s",

@@ -42,12 +42,18 @@ the kernel send a reset that can destroy the answer before the client reads it.
 HTTP/1.0 clients cannot read chunked bodies: a response without Content-Length goes to
 them close-delimited (raw bytes, the end of the body is the end of the connection).
 
-This reads attributes of uvicorn's RequestResponseCycle (`transport`, `flow`,
-`disconnected`, `response_started`, `response_complete`, `chunked_encoding`) and replaces
-its protocol's `data_received`, so uvicorn is pinned below its next minor version in
-pyproject.toml; tests/gateway/test_wire.py and test_client_limits.py run this on the real
-server. Without it (any other ASGI server) the proxy relays through `send`, and the limits
-are that server's own.
+What it needs of uvicorn. The body writer and the HTTP/1.0 cycle read attributes of
+uvicorn's RequestResponseCycle, which is not a public API (`CYCLE_NEEDS`). The first cycle
+a process serves is probed for them, once (`probe`): if one is missing or of another type
+(a newer uvicorn), one warning is logged and every response of the process goes through
+plain ASGI `send` (the proxy then watches `receive()` for disconnects, as on any other ASGI
+server; correct, with more CPU per streamed event); HTTP/1.0 clients then get uvicorn's
+own framing, and a refusal on a connection that already has a request cycle closes it
+without an answer (its state cannot be read). The client limits replace the protocol's
+`data_received` and call a few of its methods; tests/gateway/test_wire.py and
+test_client_limits.py run all of it on the real server, and CI runs the suite on the
+newest uvicorn too. Without this protocol (any other ASGI server) the proxy relays through
+`send`, and the limits are that server's own.
 """
 
 from __future__ import annotations
@@ -55,16 +61,12 @@ from __future__ import annotations
 import logging
 from asyncio import TimerHandle, Transport
 from collections.abc import Callable
-from typing import Any, cast
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, cast
 
 import httptools
 import uvicorn
-from uvicorn._types import ASGISendEvent
-from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.config import LimitsConfig
 from gateway.errors import (
@@ -75,13 +77,50 @@ from gateway.errors import (
     render,
 )
 
-__all__ = ["EXTENSION", "BodyWriter", "ClientLimits", "KneegateHttpProtocol", "WireConfig"]
+if TYPE_CHECKING:
+    from uvicorn._types import ASGISendEvent
+
+__all__ = [
+    "CYCLE_NEEDS", "EXTENSION", "BodyWriter", "ClientLimits", "KneegateHttpProtocol",
+    "WireConfig", "probe",
+]
 
 EXTENSION = "kneegate.body_writer"
 LINGER = 5.0  # seconds a refused client's further input is read and dropped (nginx: 5 s)
 LOG_EVERY = 10.0  # seconds between two log lines about refusals of one reason
 
 log = logging.getLogger("kneegate")
+
+_CALLABLE = cast("type", Callable)  # isinstance() takes it; mypy wants it called a type
+# What BodyWriter and _CloseDelimitedCycle read of uvicorn's RequestResponseCycle (dotted:
+# an attribute's attribute), with the types they expect. Not uvicorn's public API.
+CYCLE_NEEDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("transport.write", _CALLABLE),
+    ("transport.close", _CALLABLE),
+    ("flow.write_paused", bool),
+    ("flow.drain", _CALLABLE),
+    ("disconnected", bool),
+    ("response_started", bool),
+    ("response_complete", bool),
+    ("chunked_encoding", (bool, type(None))),
+    ("message_event.set", _CALLABLE),
+    ("on_response", _CALLABLE),
+)
+_MISSING = object()
+
+
+def probe(cycle: object) -> list[str]:
+    """What of `CYCLE_NEEDS` `cycle` lacks or holds with another type; empty: all there."""
+    wrong = []
+    for path, kind in CYCLE_NEEDS:
+        value = cycle
+        for name in path.split("."):
+            value = getattr(value, name, _MISSING)
+        if value is _MISSING:
+            wrong.append(f"{path}: missing")
+        elif not isinstance(value, kind):
+            wrong.append(f"{path}: {type(value).__name__}")
+    return wrong
 
 
 class BodyWriter:
@@ -133,7 +172,8 @@ def _ignore(reason: str) -> None:
 def _answer(exc: HTTPError) -> bytes:
     """The whole response for a refusal, written by the protocol itself (no ASGI cycle)."""
     status, headers, body = render(exc)
-    lines = [STATUS_LINE[status], *(k + b": " + v + b"\r\n" for k, v in headers)]
+    line = b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())
+    lines = [line, *(k + b": " + v + b"\r\n" for k, v in headers)]
     return b"".join([*lines, b"connection: close\r\n\r\n", body])
 
 
@@ -199,9 +239,12 @@ class _Refused(Exception):
 
 class KneegateHttpProtocol(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol with the client limits; each request's scope also
-    carries a `BodyWriter`."""
+    carries a `BodyWriter`, unless the probe of uvicorn's request cycle failed."""
 
     _writers: list[BodyWriter] | None = None  # this connection's unfinished responses
+    # the probe's answer for this process (None: no request cycle seen yet): may the body
+    # writer and the HTTP/1.0 cycle use uvicorn's request cycle?
+    relay: bool | None = None
 
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -307,13 +350,19 @@ class KneegateHttpProtocol(HttpToolsProtocol):
             raise _Refused("header_count")
         if self._over_cap:
             raise _Refused("connection_limit")
+        previous = self.cycle
         super().on_headers_complete()
         # The request's task is created above but has not run yet (call_soon), so the
         # extension is in place before the app sees the scope. An upgrade returns early
         # without a new cycle; the scope then belongs to the upgrade path: leave it.
         cycle = self.cycle
-        if cycle is not None and cycle.scope is self.scope:
+        if cycle is not None and cycle is not previous:
             self._reading_body = True  # until on_message_complete, maybe in this same read
+            relay = self.relay
+            if relay is None:
+                relay = _probe_once(cycle)
+            if not relay:
+                return  # the app relays through `send`
             if self.scope["http_version"] == "1.0":
                 cycle.__class__ = _CloseDelimitedCycle  # same state, one method differs
             writer = BodyWriter(cycle)
@@ -340,7 +389,7 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         if self._lingering or self.transport.is_closing():
             return
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
+        if cycle is not None and self.relay and not cycle.response_complete:
             # a pipelined head waits for the response before it: its clock starts later
             self._head_timer = self.loop.call_later(
                 self._limits.header_timeout, self._head_timed_out)
@@ -374,7 +423,9 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         self._cancel_timers()
         self._reading_body = False
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
+        if cycle is not None and not self.relay:
+            answer = False  # its state cannot be read: closing tells uvicorn and the app
+        elif cycle is not None and not cycle.response_complete:
             answer = answer and not cycle.response_started
             # the app sees its client gone; its own sends are dropped from now on
             cycle.disconnected = True
@@ -391,6 +442,18 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         self.transport.write_eof()
         self.flow.resume_reading()
         self.loop.call_later(LINGER, self.transport.close)
+
+
+def _probe_once(cycle: RequestResponseCycle) -> bool:
+    """Probe the first request cycle of the process; warn once when the relay is off."""
+    wrong = probe(cycle)
+    KneegateHttpProtocol.relay = not wrong
+    if wrong:
+        log.warning(
+            "uvicorn %s: its request cycle is not what kneegate's push relay reads (%s); "
+            "relaying through ASGI send instead (correct; more CPU per streamed event)",
+            uvicorn.__version__, ", ".join(wrong))
+    return not wrong
 
 
 def _peer(client: tuple[str, int] | None) -> str:

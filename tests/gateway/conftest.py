@@ -1,10 +1,42 @@
-"""Gateway tests run their async code on uvloop, the loop `kneegate serve` runs on."""
+"""Gateway tests run their async code on uvloop, the loop `kneegate serve` runs on.
+
+`relay` runs a test through both relays of kneegate's server (gateway/wire.py): the push
+relay, and plain ASGI `send`, which the server falls back to when its probe finds uvicorn's
+request cycle changed (forced here: the probe is asked for an attribute no uvicorn has).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import uvicorn
+
+from gateway import wire
+from gateway.wire import KneegateHttpProtocol
+
+WARNING = "relaying through ASGI send instead"
 
 
 @pytest.fixture
 def anyio_backend() -> tuple[str, dict[str, object]]:
     return "asyncio", {"use_uvloop": True}
+
+
+@pytest.fixture(params=["push", "send"])
+def relay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+          caplog: pytest.LogCaptureFixture) -> Iterator[str]:
+    """Which relay carries the test's responses ("push" or "send"); the probe runs afresh.
+    Ask for it before the fixtures that start servers. Afterwards it checks the relay
+    was the one asked for, and that the fallback said so in exactly one warning."""
+    monkeypatch.setattr(KneegateHttpProtocol, "relay", None)
+    if request.param == "send":
+        needs = (*wire.CYCLE_NEEDS, ("renamed_by_a_newer_uvicorn", bool))
+        monkeypatch.setattr(wire, "CYCLE_NEEDS", needs)
+    yield request.param
+    assert KneegateHttpProtocol.relay is (request.param == "push"), (
+        f"asked for the {request.param} relay; on uvicorn {uvicorn.__version__} the probe "
+        "said otherwise (its warning names what gateway/wire.py reads and is not there)")
+    warned = [r for phase in ("setup", "call") for r in caplog.get_records(phase)
+              if WARNING in r.getMessage()]
+    assert len(warned) == (request.param == "send"), [r.getMessage() for r in warned]

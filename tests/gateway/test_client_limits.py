@@ -290,6 +290,19 @@ async def test_slow_body_gets_408_and_a_steady_one_does_not() -> None:
         assert_conserved(gw.metrics())
 
 
+@pytest.mark.parametrize("relay", ["send"], indirect=True)
+async def test_with_the_relay_off_a_slow_body_is_still_cut_and_counted(relay: str) -> None:
+    # uvicorn's request cycle is not what wire.py reads: it cannot tell whether a response
+    # started, so the refusal closes the connection without an answer
+    async with _gw(**FAST) as gw:
+        reader, writer = await gw.connect()
+        writer.write(_request(body=b"x" * 100)[:-90])
+        assert await _until_eof(reader, bound=2.0) == b""
+        writer.close()
+        assert gw.rejected("body_timeout") == 1
+        gw.assert_untouched()
+
+
 async def test_idle_keepalive_connection_is_closed() -> None:
     async with _gw(**FAST) as gw:
         reader, writer = await gw.connect()

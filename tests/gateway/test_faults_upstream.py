@@ -105,7 +105,7 @@ CUT = ["reset_mid_body", "stall_mid_stream", "short_content_length"]
 
 
 @pytest.mark.parametrize("mode", CUT)
-async def test_a_fault_mid_response_cuts_the_client_off(mode: str) -> None:
+async def test_a_fault_mid_response_cuts_the_client_off(relay: str, mode: str) -> None:
     async with faulty_upstream(mode) as up, gateway(gw_config(up.url, timeouts=FAST)) as gw:
         with anyio.fail_after(3), pytest.raises(httpx.RemoteProtocolError):
             await gw.post(max_tokens=1, stream=True)  # the head came: only a cut can tell
@@ -134,7 +134,7 @@ async def test_an_unsolicited_response_never_reaches_the_next_client() -> None:
         await gw.settled()
 
 
-async def test_a_slow_drip_within_the_idle_timeout_is_relayed_whole() -> None:
+async def test_a_slow_drip_within_the_idle_timeout_is_relayed_whole(relay: str) -> None:
     # ~35 bytes 30 ms apart: about 1 s in all, over three times the 0.3 s idle timeout
     async with faulty_upstream("slow_drip", drip=0.03) as up, \
             gateway(gw_config(up.url, timeouts=FAST)) as gw:

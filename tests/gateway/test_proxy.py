@@ -46,7 +46,7 @@ async def rig() -> AsyncIterator[Rig]:
         yield r
 
 
-async def test_stream_is_relayed_byte_for_byte(rig: Rig) -> None:
+async def test_stream_is_relayed_byte_for_byte(relay: str, rig: Rig) -> None:
     req = {"max_tokens": 6, "stream": True}
     direct = await rig.client.post(rig.up + "/v1/completions", json=req)
     via = await rig.client.post(rig.gw + "/v1/completions", json=req)
@@ -58,6 +58,8 @@ async def test_stream_is_relayed_byte_for_byte(rig: Rig) -> None:
     m = await rig.metrics()
     assert total(m, "kneegate_output_tokens_total") == 6
     assert total(m, "kneegate_ttft_seconds_count") == 1
+    assert total(m, "kneegate_requests_finished_total", outcome="completed") == 1
+    assert_conserved(m)
     assert total(m, "kneegate_requests_finished_total", outcome="completed") == 1
 
 
@@ -179,7 +181,8 @@ async def test_queue_timeout_is_503() -> None:
         hog.cancel()
 
 
-async def test_client_disconnect_aborts_upstream_and_frees_the_slot(rig: Rig) -> None:
+async def test_client_disconnect_aborts_upstream_and_frees_the_slot(relay: str, rig: Rig
+                                                                  ) -> None:
     rig.engine.interval = 0.05
     req = {"max_tokens": 1000, "stream": True}
     async with rig.client.stream("POST", rig.gw + "/v1/completions", json=req) as r:
@@ -208,16 +211,22 @@ async def test_first_byte_timeout_is_504_and_aborts_upstream() -> None:
         assert total(m, "kneegate_upstream_failures_total", kind="timeout") == 1
 
 
-async def test_idle_timeout_cuts_a_stalled_stream() -> None:
+async def test_idle_timeout_cuts_a_stalled_stream(relay: str) -> None:
     async with _rig(FakeEngine(interval=30), timeouts={"idle": 0.2}) as rig:
         with anyio.fail_after(3), pytest.raises(httpx.RemoteProtocolError):
             await rig.client.post(rig.gw + "/v1/completions",
                                   json={"max_tokens": 3, "stream": True})
         with anyio.fail_after(1):
             await rig.engine.aborted.wait()
+        with anyio.fail_after(2):
+            while total(m := await rig.metrics(), "kneegate_in_flight"):
+                await asyncio.sleep(0.01)
+        assert total(m, "kneegate_requests_finished_total", outcome="upstream_error") == 1
+        assert total(m, "kneegate_upstream_failures_total", kind="timeout") == 1
+        assert_conserved(m)
 
 
-async def test_a_client_that_stops_reading_is_its_own_outcome_not_a_timeout() -> None:
+async def test_a_client_that_stops_reading_is_its_own_outcome_not_a_timeout(relay: str) -> None:
     # The engine streams fine; the client reads nothing, so the relay waits on its socket.
     # That is the client's doing: client_stalled, no failure against the engine, no sample.
     import socket

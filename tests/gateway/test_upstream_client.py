@@ -181,6 +181,34 @@ async def test_unread_bytes_in_the_socket_keep_a_connection_out_of_use() -> None
         await client.close()
 
 
+async def test_the_connection_tells_the_pool_and_the_pool_keeps_the_lists() -> None:
+    server = RawServer(fixed(b"hello"))
+    client = UpstreamClient(connect_timeout=2)
+    told: list[tuple[object, bool]] = []
+    forgotten = asyncio.Event()
+    pool_release = client._release
+
+    def spy(conn) -> None:  # the connection's only way into the pool
+        told.append((conn, conn.closed))
+        pool_release(conn)
+        if conn.closed:
+            forgotten.set()
+
+    client._release = spy  # type: ignore[method-assign]
+    async with raw_server(server) as base:
+        assert await _get(client, base) == (200, b"1", b"hello")
+        ((conn, closed),) = told
+        assert not closed and list(client._idle[conn.key]) == [conn]  # filed as idle
+        server.writers[0].close()  # the engine drops the idle connection
+        with anyio.fail_after(2):
+            await forgotten.wait()
+        assert told[1] == (conn, True) and not client._idle[conn.key]  # forgotten
+        assert await _get(client, base) == (200, b"2", b"hello")
+        assert server.connections == 2
+        await client.close()
+    assert all(c.closed for c, _ in told[2:]) and not client._idle
+
+
 async def test_a_second_response_after_the_answer_closes_the_connection() -> None:
     server = RawServer(lambda n: fixed(b"hello")(n) + UNASKED)
     client = UpstreamClient(connect_timeout=2)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -19,10 +20,11 @@ import httptools
 import httpx
 import pytest
 from gw_helpers import FakeEngine, answer_lifespan, gw_config, serve
+from uvicorn.protocols.http.flow_control import FlowControl
 
 from gateway.app import build_app
 from gateway.upstream_client import UpstreamClient
-from gateway.wire import BodyWriter, KneegateHttpProtocol
+from gateway.wire import BodyWriter, KneegateHttpProtocol, probe
 
 pytestmark = pytest.mark.anyio
 
@@ -96,6 +98,19 @@ async def test_pipe_pushes_in_order_and_hands_back_refused_and_last_bytes() -> N
         srv.close()
 
 
+def test_the_probe_names_what_a_request_cycle_lacks_or_types_otherwise() -> None:
+    cycle = SimpleNamespace(
+        transport=SimpleNamespace(write=len, close=len),
+        flow=SimpleNamespace(write_paused=False, drain=len), disconnected=False,
+        response_started=False, response_complete=False, chunked_encoding=None,
+        message_event=asyncio.Event(), on_response=len)
+    assert probe(cycle) == []
+    del cycle.flow.write_paused  # say, renamed by a newer uvicorn
+    cycle.disconnected = 0
+    cycle.chunked_encoding = True
+    assert probe(cycle) == ["flow.write_paused: missing", "disconnected: int"]
+
+
 class BigStream:
     """An ASGI engine streaming `count` distinct events of `size` bytes as fast as it can."""
 
@@ -149,25 +164,36 @@ class _Collect:
 
 
 async def test_back_pressure_from_a_slow_client_loses_and_reorders_nothing(
-    monkeypatch: pytest.MonkeyPatch,
+    relay: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    refused = 0
-    write = BodyWriter.write
+    written = refused = drained = 0
+    write, drain = BodyWriter.write, FlowControl.drain
 
     def counting(self: BodyWriter, data: bytes) -> bool:
-        nonlocal refused
+        nonlocal written, refused
         ok = write(self, data)
+        written += ok
         refused += not ok
         return ok
 
+    async def counting_drain(self: FlowControl) -> None:
+        nonlocal drained
+        drained += 1
+        await drain(self)
+
     monkeypatch.setattr(BodyWriter, "write", counting)
+    monkeypatch.setattr(FlowControl, "drain", counting_drain)
     engine = BigStream(count=256, size=16 * 1024, mark=1 << 20)  # 4 MiB; read after 1 MiB
     async with serve(engine) as up, serve(build_app(gw_config(up))) as gw:
         with anyio.fail_after(20):
             body = await _slow_client(gw, engine.past_mark)
     assert body == b"".join(engine.events)
-    # the premise: the client's socket did push back, so the `send` path carried chunks
-    assert refused > 0
+    # the premise: the client's socket did push back, and `send` waited for it to drain
+    assert drained > 0
+    if relay == "push":  # the writer carried chunks, and refused them while it pushed back
+        assert written > 0 and refused > 0
+    else:
+        assert written == refused == 0
 
 
 @contextlib.asynccontextmanager
@@ -179,10 +205,11 @@ async def _gateway(engine: FakeEngine, http: type[asyncio.Protocol] | str
             yield up, gw, app
 
 
-@pytest.mark.parametrize("http", [KneegateHttpProtocol, "httptools"],
-                         ids=["kneegate-protocol", "stock-uvicorn"])
+@pytest.mark.parametrize(("relay", "http"), [
+    ("push", KneegateHttpProtocol), ("send", KneegateHttpProtocol), ("push", "httptools"),
+], ids=["kneegate-protocol", "kneegate-protocol-fallback", "stock-uvicorn"], indirect=["relay"])
 async def test_relay_and_disconnect_with_and_without_the_extension(
-    http: type[asyncio.Protocol] | str,
+    relay: str, http: type[asyncio.Protocol] | str,
 ) -> None:
     engine = FakeEngine(interval=0.002)
     async with _gateway(engine, http) as (up, gw, app), httpx.AsyncClient(timeout=10) as c:
