@@ -5,13 +5,15 @@
 Dispatch is a few byte tests per request: `/v1/*`, `/tokenize`, `/detokenize` and
 `/version` go straight to `Proxy` as pure ASGI (methods other than GET, POST, DELETE,
 HEAD and OPTIONS get 405); everything else goes to Starlette, which serves `/health`,
-`/ready`, `/metrics`, `/kneegate/status`, `POST /kneegate/reload` and answers 404
-(OpenAI-style body) for any other path: never an open proxy. A raw path that could hide
+`/ready`, `/metrics`, `/kneegate/status`, `/kneegate/history`, `POST /kneegate/reload`
+and the live page at `/kneegate/` (gateway/livepage.py), and answers 404 (OpenAI-style
+body) for any other path: never an open proxy. A raw path that could hide
 a dot segment ('%', '/.' or '\\' in it) is normalised first (`proxy.proxied_path`): it is
 forwarded in its normalised form if that is a proxied path, else answered 404 (400 for
 an encoded '/' or '\\'), and never reaches the gateway's own endpoints.
 
-`Gateway` is the process's runtime: pool, queue, gate, client, metrics, the tick task,
+`Gateway` is the process's runtime: pool, queue, gate, client, metrics, the tick task, the
+live page's history (`gateway/history.py`, sampled once a second by a task of its own),
 `apply(config)` which swaps limits, timeouts, classes and upstreams in place without
 touching requests in flight, and `drain()`, the first step of a graceful shutdown.
 """
@@ -47,6 +49,8 @@ from gateway.errors import (
     send_error,
 )
 from gateway.gate import Gate
+from gateway.history import History
+from gateway.livepage import live_page_routes
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import (
     ALLOW,
@@ -107,7 +111,9 @@ class Gateway:
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
                            clock)
         self.metrics.bind_live(self.pool.all, self._depths, clock)
+        self.history = History(self.pool.all, self._depths, self.metrics)
         self._ticker: asyncio.Task[None] | None = None
+        self._sampler: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.draining = False
         self._cut_timer: asyncio.TimerHandle | None = None
@@ -119,6 +125,7 @@ class Gateway:
         await self.client.start()
         await self.pool.first_contact(self.client)  # so /ready knows who answers
         self._ticker = asyncio.create_task(self._tick_loop())
+        self._sampler = asyncio.create_task(self._history_loop())
 
     def drain(self) -> None:
         """Begin a graceful shutdown (the server calls this on SIGTERM/SIGINT, before it
@@ -143,7 +150,7 @@ class Gateway:
     async def stop(self) -> None:
         if self._cut_timer is not None:
             self._cut_timer.cancel()
-        tasks = [t for t in (self._ticker, *self._background) if t is not None]
+        tasks = [t for t in (self._ticker, self._sampler, *self._background) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -156,6 +163,14 @@ class Gateway:
                 self.tick()
             except Exception:  # a controller bug must not stop admission
                 log.exception("tick failed")
+
+    async def _history_loop(self) -> None:
+        while True:
+            try:
+                self.history.sample(self.clock())
+            except Exception:  # the live page's history must not stop the gateway
+                log.exception("history sample failed")
+            await asyncio.sleep(self.history.interval)
 
     def tick(self) -> None:
         now = self.clock()
@@ -327,6 +342,14 @@ def _own_endpoints(gw: Gateway) -> Starlette:
         admin_only(request)
         return JSONResponse(_json_safe(gw.status()))
 
+    async def history(request: Request) -> Response:
+        admin_only(request)
+        try:  # only points after `since` (the page asks for what it has not drawn yet)
+            since: float | None = float(request.query_params.get("since", ""))
+        except ValueError:
+            since = None
+        return JSONResponse(_json_safe(gw.history.view(gw.clock(), since)))
+
     async def reload(request: Request) -> Response:
         admin_only(request)
         ok, message = gw.reload()
@@ -359,6 +382,8 @@ def _own_endpoints(gw: Gateway) -> Starlette:
         Route("/metrics", metrics),
         Route("/kneegate/status", status),
         Route("/kneegate/reload", reload, methods=["POST"]),
+        Route("/kneegate/history", history),
+        *live_page_routes(),
     ]
     return Starlette(
         routes=routes, lifespan=lifespan,
