@@ -944,11 +944,12 @@ class Knee(LimitController):
         a, b = self._fit(kept)
         fitted = a > 0 and b > 0
         pts = self._curve.values()
-        steady = sorted(p.concurrency for p in pts if p.steady and p.throughput > 0)
+        # _kept's prefix of these; `declined` also counts a level that measured no throughput
+        past = sorted(p.concurrency for p in pts if p.steady and p.throughput > 0)[len(kept):]
         bad = sorted(p.concurrency for p in pts if p.over_objective)
         return {
             "kept": [round(p.concurrency, 2) for p in kept],
-            "decline_from": round(steady[len(kept)], 2) if declined else None,
+            "decline_from": round(past[0], 2) if declined and past else None,
             "intercept": a if fitted else None,
             "slope": b if fitted else None,
             "curve_knee": self.knee()[0],

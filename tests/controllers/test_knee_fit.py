@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ctl_helpers import window
+from ctl_helpers import scrape, window
 
 from controllers import Knee, KneeConfig
 
@@ -51,3 +51,18 @@ def test_the_decline_starts_at_the_first_level_past_it() -> None:
     fit = ctl.fit()
     assert (fit["kept"], fit["decline_from"], fit["curve_knee"]) == ([8, 16], 24, 16)
     assert ctl.state() == before  # reading it changed nothing
+
+
+def test_a_level_that_measured_no_throughput_is_no_decline() -> None:
+    # the engine's counter stood still at 16 (a stalled engine): a point with throughput 0,
+    # which the curve leaves out; reading the fit used to index past the levels (a 500 on
+    # /kneegate/status)
+    ctl = make(initial=16)
+    t = 0.0
+    for _ in range(3):
+        for i in range(6):
+            ctl.on_engine_stats(scrape(t + i, running=16, kv=0.1, tokens=1000.0))
+        t = window(ctl, t, 16, 400.0)
+    assert [p["throughput"] for p in ctl.state()["curve"]] == [0.0]
+    fit = ctl.fit()
+    assert (fit["kept"], fit["decline_from"], fit["curve_knee"]) == ([], None, None)
