@@ -138,14 +138,14 @@
       { name: "limit", data: pick("limit"), color: PALETTE[0] },
       { name: "in flight", data: pick("in_flight"), color: PALETTE[1] },
       { name: "knee", data: pick("knee"), color: PALETTE[2], dash: "5 3" },
-    ], { height: 112 }));
+    ], { height: 92 }));
     col.append(timeChart("engine: running · waiting", now, [
       { name: "running", data: pick("running"), color: PALETTE[0] },
       { name: "waiting", data: pick("waiting"), color: PALETTE[4] },
-    ], { height: 112 }));
+    ], { height: 92 }));
     col.append(timeChart("engine KV-cache use", now, [
       { name: "KV use", data: pick("kv"), color: PALETTE[3], percent: true },
-    ], { height: 112, ymax: 1, percent: true }));
+    ], { height: 92, ymax: 1, percent: true }));
   }
 
   function renderGateway(now) {
@@ -156,12 +156,12 @@
     const classes = keys(points, "queue");
     box.append(timeChart("queue depth by class", now, classes.map((c, i) => ({
       name: c, data: points.map(p => [p.t, p.queue[c] ?? null]), color: PALETTE[i % 8],
-    })), { width: 440, height: 180 }));
+    })), { width: 432, height: 160 }));
     const reasons = keys(points, "rejected").filter(
       r => points.some(p => (p.rejected[r] || 0) > 0));
     box.append(timeChart("rejections/s by reason", now, reasons.map((r, i) => ({
       name: r, data: points.map(p => [p.t, p.rejected[r] ?? null]), color: PALETTE[(i + 4) % 8],
-    })), { width: 440, height: 180, empty: "no rejections in the window" }));
+    })), { width: 432, height: 160, empty: "no rejections in the window" }));
     const ttft = [];
     keys(points, "ttft").forEach((c, i) => {
       const q = k => points.map(p => [p.t, p.ttft[c] ? p.ttft[c][k] : null]);
@@ -169,8 +169,8 @@
       ttft.push({ name: c + " p99", data: q("p99"), color: PALETTE[i % 8], dash: "5 3",
         seconds: true });
     });
-    box.append(timeChart("user TTFT from arrival (p50, p99)", now, ttft,
-      { width: 440, height: 180, empty: "no answers in the window" }));
+    box.append(timeChart("user TTFT", now, ttft,
+      { width: 432, height: 160, empty: "no answers in the window" }));
   }
 
   // --- the learned curve -------------------------------------------------------------------
@@ -188,8 +188,9 @@
       fitted ? curveAt(xmax) : 0));
     const x = v => m.l + (W - m.l - m.r) * v / xmax;
     const y = v => H - m.b - (H - m.t - m.b) * v / ymax;
-    const svg = el("svg", { class: "chart curve", width: W, height: H, viewBox: "0 0 " + W + " " + H,
-      "data-x-domain": "0," + xmax, "data-x-range": m.l + "," + (W - m.r) });
+    const svg = el("svg", { class: "chart curve", width: W, height: H,
+      viewBox: "0 0 " + W + " " + H, "data-x-domain": "0," + xmax,
+      "data-x-range": m.l + "," + (W - m.r) });
     const kept = new Set((fit.kept || []).map(String));
     const over = new Set((fit.over_objective || []).map(String));
     for (const [name, from, to] of regions(pts, fit, knee, xmax)) {
@@ -286,8 +287,9 @@
     el("line", Object.assign({ class: cls, x1: X, x2: X, y1: m.t, y2: H - m.b, "data-x": X },
       attrs), parent);
     const right = X > 380;
-    text(el("text", { x: right ? X - 4 : X + 4, y: m.t + 12 * row, class: cls + "-label",
-      "text-anchor": right ? "end" : "start", fill: attrs.stroke }, parent), label);
+    text(el("text", { x: right ? X - 4 : X + 4, y: m.t + 12 * row,
+      class: "label " + cls + "-label", "text-anchor": right ? "end" : "start",
+      fill: attrs.stroke }, parent), label);
   }
 
   function axes(svg, W, H, m, xmax, ymax, x, y) {
@@ -307,7 +309,7 @@
   // --- over time ---------------------------------------------------------------------------
 
   function timeChart(title, now, series, opts) {
-    const W = opts.width || 560, H = opts.height, m = { l: 46, r: 10, t: 22, b: 16 };
+    const W = opts.width || 760, H = opts.height, m = { l: 46, r: 12, t: 8, b: 16 };
     const t0 = points.length ? points[0].t : now;
     const span = Math.min(600, Math.max(60, now - t0));
     let top = opts.ymax || 0;
@@ -315,8 +317,10 @@
     const ymax = opts.ymax || niceMax(top || 1);
     const x = t => m.l + (W - m.l - m.r) * (1 - (now - t) / span);
     const y = v => H - m.b - (H - m.t - m.b) * Math.min(v, ymax) / ymax;
-    const svg = el("svg", { class: "chart time", width: W, height: H,
-      viewBox: "0 0 " + W + " " + H, "data-title": title });
+    const fig = el("figure", { class: "chart time", "data-title": title }, null, "html");
+    const legend = el("figcaption", {}, fig, "html");
+    text(el("b", {}, legend, "html"), title);
+    const svg = el("svg", { width: W, height: H, viewBox: "0 0 " + W + " " + H }, fig);
     for (const v of ticks(ymax, 3)) {
       el("line", { class: "grid", x1: m.l, x2: W - m.r, y1: y(v), y2: y(v) }, svg);
       text(el("text", { x: m.l - 4, y: y(v) + 4, "text-anchor": "end", class: "tick" }, svg),
@@ -328,8 +332,6 @@
         class: "tick" }, svg), ago ? "−" + (ago >= 60 ? ago / 60 + "m" : ago + "s") : "now");
     }
     el("line", { class: "axis", x1: m.l, x2: W - m.r, y1: H - m.b, y2: H - m.b }, svg);
-    const legend = el("text", { x: m.l, y: 14, class: "title" }, svg);
-    legend.append(title + "  ");
     series.forEach(s => {
       const latest = lastValue(s.data);
       const d = [];
@@ -342,15 +344,15 @@
       el("path", { class: "series", d: d.join("") || "M0,0", fill: "none", stroke: s.color,
         "stroke-width": 1.6, "stroke-dasharray": s.dash || "none", "data-series": s.name,
         "data-latest": latest == null ? "" : latest }, svg);
-      const item = el("tspan", { fill: s.color, dx: 8 }, legend);
-      item.textContent = "■ " + s.name + " " + (latest == null ? "–"
+      const item = el("span", { class: "key" }, legend, "html");
+      item.style.color = s.color;
+      item.textContent = (s.dash ? "┅ " : "━ ") + s.name + " " + (latest == null ? "–"
         : s.percent ? Math.round(latest * 100) + "%" : fmt(latest) + (s.seconds ? " s" : ""));
     });
     if (!series.length && opts.empty) {
-      text(el("text", { x: (m.l + W - m.r) / 2, y: (m.t + H - m.b) / 2 + 4,
-        "text-anchor": "middle", class: "tick" }, svg), opts.empty);
+      text(el("span", { class: "key" }, legend, "html"), opts.empty);
     }
-    return svg;
+    return fig;
   }
 
   function lastValue(data) {

@@ -121,7 +121,10 @@ async def test_history_over_a_served_gateway() -> None:
     engine = FakeEngine(interval=0.01)
     async with _rig(engine, limit=limit, max_queue=limit) as rig:
         gw = rig.app.gateway
-        first = gw.history.points[0]  # sampled as the gateway started
+        with anyio.fail_after(5):  # the sampler's first point comes as the gateway starts
+            while not gw.history.points:
+                await asyncio.sleep(0.01)
+        first = gw.history.points[0]
         assert first["upstreams"]["e0"]["limit"] == limit
 
         async def one() -> httpx.Response:
