@@ -122,6 +122,7 @@ async def _ramp(gw: str, up: str, status: Any, seconds: float, peak: int,
     most_in_engine = most_limit = 0.0
     print("engine: running/waiting as the emulator reports them; gateway: limit, knee "
           "estimate, inflight, queued; clients: done, shed (429), timed out (503) per second")
+    print(f"watch it live: {gw}/kneegate/")
     print(_HEADER)
     start = time.monotonic()
     try:
