@@ -69,6 +69,8 @@ def _gateway_part(status: dict[str, Any] | None) -> str:
 async def _arm(arm: Arm, url: str, rate: float, args: Any, last: dict[str, Any]) -> list[Record]:
     """One arm's cell, with a line a second while it runs; `last` gets kneegate's status."""
     users: list[Record] = []
+    if arm.gateway_flags is not None:
+        print(f"kneegate at {url}; watch it live: {url}/kneegate/", flush=True)
     cell = asyncio.create_task(run_cell(url, rate, args, seed=args.seed, users=users))
     start, before = time.monotonic(), (0, 0, 0, 0)
     timeout = aiohttp.ClientTimeout(total=1.0)

@@ -931,11 +931,38 @@ class Knee(LimitController):
         delay = (p.ttft_p90 or 0.0) + (p.tpot_p50 or 0.0) * max(self._ref_tokens, 1.0)
         return p.throughput / delay if delay > 0 else None
 
+    def fit(self) -> dict[str, Any]:
+        """The learned curve as the live page draws it; reads, never changes, the state.
+
+        `kept`: the levels the knee is read from (steady, before any decline); `decline_from`:
+        the first steady level past the decline (null: none); `intercept`, `slope`: the fitted
+        line c / tput = intercept + slope x c, i.e. tput = c / (intercept + slope x c), null
+        when the kept levels do not bend it; `curve_knee`: the knee of the throughput curve
+        (fit, plateau, decline), `room`: the engine's (null: not measured); the lower of the
+        two is the knee estimate while it is published. `over_objective`: levels marked."""
+        kept, declined = self._kept()
+        a, b = self._fit(kept)
+        fitted = a > 0 and b > 0
+        pts = self._curve.values()
+        # _kept's prefix of these; `declined` also counts a level that measured no throughput
+        past = sorted(p.concurrency for p in pts if p.steady and p.throughput > 0)[len(kept):]
+        bad = sorted(p.concurrency for p in pts if p.over_objective)
+        return {
+            "kept": [round(p.concurrency, 2) for p in kept],
+            "decline_from": round(past[0], 2) if declined and past else None,
+            "intercept": a if fitted else None,
+            "slope": b if fitted else None,
+            "curve_knee": self.knee()[0],
+            "room": self._room if math.isfinite(self._room) else None,
+            "over_objective": [round(c, 2) for c in bad],
+        }
+
     def state(self) -> dict[str, Any]:
         pts = sorted(self._curve.values(), key=lambda p: p.concurrency)
         return {
             **super().state(),
             "curve": [p.as_dict() for p in pts],
+            "fit": self.fit(),
             "curve_of": "engine" if self._engine_mode else "gateway",
             "kv_capacity_tokens": self._kv_capacity,
             "token_budget": self._token_budget(),

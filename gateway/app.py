@@ -5,13 +5,15 @@
 Dispatch is a few byte tests per request: `/v1/*`, `/tokenize`, `/detokenize` and
 `/version` go straight to `Proxy` as pure ASGI (methods other than GET, POST, DELETE,
 HEAD and OPTIONS get 405); everything else goes to Starlette, which serves `/health`,
-`/ready`, `/metrics`, `/kneegate/status`, `POST /kneegate/reload` and answers 404
-(OpenAI-style body) for any other path: never an open proxy. A raw path that could hide
+`/ready`, `/metrics`, `/kneegate/status`, `/kneegate/history`, `POST /kneegate/reload`
+and the live page at `/kneegate/` (gateway/livepage.py), and answers 404 (OpenAI-style
+body) for any other path: never an open proxy. A raw path that could hide
 a dot segment ('%', '/.' or '\\' in it) is normalised first (`proxy.proxied_path`): it is
 forwarded in its normalised form if that is a proxied path, else answered 404 (400 for
 an encoded '/' or '\\'), and never reaches the gateway's own endpoints.
 
-`Gateway` is the process's runtime: pool, queue, gate, client, metrics, the tick task,
+`Gateway` is the process's runtime: pool, queue, gate, client, metrics, the tick task, the
+live page's history (`gateway/history.py`, sampled once a second by a task of its own),
 `apply(config)` which swaps limits, timeouts, classes and upstreams in place without
 touching requests in flight, `drain()`, the first step of a graceful shutdown, and the
 watch of the config file (gateway/watch.py): a file changed on disk is reloaded like SIGHUP.
@@ -48,6 +50,8 @@ from gateway.errors import (
     send_error,
 )
 from gateway.gate import Gate
+from gateway.history import History
+from gateway.livepage import live_page_routes
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import (
     ALLOW,
@@ -110,9 +114,11 @@ class Gateway:
                            clock)
         self.proxy.access.enabled = config.server.access_log
         self.metrics.bind_live(self.pool.all, self._depths, clock)
+        self.history = History(self.pool.all, self._depths, self.metrics)
         self._ticker: asyncio.Task[None] | None = None
         self.watcher = ConfigWatcher(config_path) if config_path is not None else None
         self._watching: asyncio.Task[None] | None = None
+        self._sampler: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.draining = False
         self._cut_timer: asyncio.TimerHandle | None = None
@@ -127,6 +133,7 @@ class Gateway:
         interval = self.config.server.config_poll_interval
         if self.watcher is not None and interval > 0:
             self._watching = asyncio.create_task(self._watch_loop(self.watcher, interval))
+        self._sampler = asyncio.create_task(self._history_loop())
 
     def drain(self) -> None:
         """Begin a graceful shutdown (the server calls this on SIGTERM/SIGINT, before it
@@ -151,7 +158,8 @@ class Gateway:
     async def stop(self) -> None:
         if self._cut_timer is not None:
             self._cut_timer.cancel()
-        tasks = [t for t in (self._ticker, self._watching, *self._background) if t is not None]
+        tasks = [t for t in (self._ticker, self._watching, self._sampler, *self._background)
+                 if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -175,6 +183,14 @@ class Gateway:
                 self.reload()
             except Exception:  # `prepare` is the CLI's: a bug there must not stop the watch
                 log.exception("config reload failed")
+
+    async def _history_loop(self) -> None:
+        while True:
+            try:
+                self.history.sample(self.clock())
+            except Exception:  # the live page's history must not stop the gateway
+                log.exception("history sample failed")
+            await asyncio.sleep(self.history.interval)
 
     def tick(self) -> None:
         now = self.clock()
@@ -348,6 +364,14 @@ def _own_endpoints(gw: Gateway) -> Starlette:
         admin_only(request)
         return JSONResponse(_json_safe(gw.status()))
 
+    async def history(request: Request) -> Response:
+        admin_only(request)
+        try:  # only points after `since` (the page asks for what it has not drawn yet)
+            since: float | None = float(request.query_params.get("since", ""))
+        except ValueError:
+            since = None
+        return JSONResponse(_json_safe(gw.history.view(gw.clock(), since)))
+
     async def reload(request: Request) -> Response:
         admin_only(request)
         ok, message = gw.reload()
@@ -380,6 +404,8 @@ def _own_endpoints(gw: Gateway) -> Starlette:
         Route("/metrics", metrics),
         Route("/kneegate/status", status),
         Route("/kneegate/reload", reload, methods=["POST"]),
+        Route("/kneegate/history", history),
+        *live_page_routes(),
     ]
     return Starlette(
         routes=routes, lifespan=lifespan,
