@@ -357,14 +357,15 @@ def load_real(path: str | Path) -> list[RealPoint]:
 
 
 @contextlib.contextmanager
-def _started_vllm() -> Iterator[str]:
+def _started_vllm(*extra: str) -> Iterator[str]:
+    """The tier's vLLM (tests/real_vllm/vllm_server.py), with `extra` flags, for the block."""
     # the tier's launcher lives beside the tests; it needs a source checkout
     tier = Path(__file__).resolve().parents[1] / "tests" / "real_vllm"
     if not (tier / "vllm_server.py").exists():
         raise SystemExit(f"--start needs a source checkout with {tier}/vllm_server.py")
     sys.path.insert(0, str(tier))
     launcher = importlib.import_module("vllm_server")
-    with launcher.running_vllm() as server:
+    with launcher.running_vllm(*extra) as server:
         print(f"vLLM {launcher.VLLM_VERSION} at {server.url} (log {server.log})", flush=True)
         yield str(server.url)
 

@@ -26,7 +26,9 @@ Arms (`--arms`, comma-separated):
                   at the top level, or that level reads low)
 
 `--upstream URL --model NAME` measures a running engine (real vLLM) instead: every cell uses
-it as it is (no valve arms; its own flags are set where it was started).
+it as it is (no valve arms; its own flags are set where it was started). `--start-vllm`
+starts the real-vLLM tier's vLLM (tests/real_vllm/vllm_server.py) for the run, and a vLLM of
+their own for `valve-N` arms (`--max-num-queued-tokens N`, started per cell, ~70 s each).
 
 Each (arm, load) cell: `--warmup` s of arrivals that are not measured, then `--seconds` s whose
 arrivals are the measured requests, then arrivals go on (unmeasured, so the measured ones see
@@ -320,10 +322,18 @@ def _child(cmd: list[str], ready: str | int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _serving(arm: Arm, profile: str, upstream: str | None = None) -> Iterator[str]:
+def _serving(arm: Arm, profile: str, upstream: str | None = None,
+             start_vllm: bool = False) -> Iterator[str]:
     """A fresh engine (and gateway) for one cell; yields the URL the users talk to.
-    With `upstream`, that running engine instead of a fresh emulator."""
+    With `upstream`, that running engine instead of a fresh emulator; with `start_vllm` as
+    well, an arm with engine flags (the valve) gets a vLLM of its own started with them."""
     if upstream is not None:
+        if arm.engine_flags and start_vllm:
+            from benchmarks.calibrate_vllm import _started_vllm
+
+            with _started_vllm(*arm.engine_flags) as own:
+                yield own
+            return
         if arm.engine_flags:
             raise ValueError(f"arm {arm.name} sets engine flags: it needs the emulator")
         if arm.gateway_flags is None:
@@ -386,6 +396,16 @@ class Report:
 
 def run(args: argparse.Namespace) -> Report:
     """The whole benchmark: capacity first, then every (arm, load) cell; prints the table."""
+    if args.start_vllm:  # one vLLM for the plain arms; each valve arm starts its own
+        from benchmarks.calibrate_vllm import _started_vllm
+
+        with _started_vllm() as url:
+            args.upstream, args.model = url, args.model or "tiny"
+            return _run(args)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> Report:
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     names = _arm_names(args.arms)
     rep = Report(command=shlex.join(["python", "-m", "benchmarks.overload", *args.argv]))
@@ -420,7 +440,7 @@ def run(args: argparse.Namespace) -> Report:
     for load in loads:
         rate = load * rep.capacity_rps
         for arm in arms:
-            with _serving(arm, args.profile, args.upstream) as url:
+            with _serving(arm, args.profile, args.upstream, args.start_vllm) as url:
                 recs = asyncio.run(run_cell(url, rate, args, seed=args.seed + int(load * 1000)))
             s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective)
             rep.rows.append({"arm": arm.name, "load": load, "offered_rps": rate,
@@ -444,6 +464,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--upstream", help="a running engine (e.g. vLLM) instead of a fresh "
                     "emulator per cell: arms direct, kneegate, kneegate-w2, kneegate-fixed")
     ap.add_argument("--model", help="the model name requests carry (default: the profile)")
+    ap.add_argument("--start-vllm", action="store_true",
+                    help="start the real-vLLM tier's vLLM (CPU build, tiny model; a source "
+                    "checkout) and measure it; valve-N arms start one with the flag each")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--capacity-streams", type=int, default=64)
