@@ -108,6 +108,7 @@ class Gateway:
             config.retry_after_min, config.retry_after_max,
         )
         self.gate = Gate(self.queue, self.metrics, clock)
+        self.pool.feed_engine = self.gate.engine_stats
         self.client = UpstreamClient(
             config.timeouts.connect, max_header_bytes=config.limits.max_upstream_header_bytes)
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
