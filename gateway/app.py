@@ -108,6 +108,8 @@ class Gateway:
             config.retry_after_min, config.retry_after_max,
         )
         self.gate = Gate(self.queue, self.metrics, clock)
+        self.pool.feed_engine = self.gate.engine_stats
+        self.metrics.set_objectives({n: c.ttft_objective for n, c in config.classes.items()})
         self.client = UpstreamClient(
             config.timeouts.connect, max_header_bytes=config.limits.max_upstream_header_bytes)
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
@@ -212,6 +214,7 @@ class Gateway:
             new = new.model_copy(update={"limits": self.config.limits})
         ups = self.pool.reload(new.upstreams)
         self.queue.reconfigure(_policies(new), new.max_queue, list(ups))
+        self.metrics.set_objectives({n: c.ttft_objective for n, c in new.classes.items()})
         self.queue.retry_after_min = new.retry_after_min
         self.queue.retry_after_max = new.retry_after_max
         self.client.set_connect_timeout(new.timeouts.connect)
