@@ -38,14 +38,8 @@ import math
 
 from pydantic import Field
 
-from kneegate.controllers.base import (
-    BaseControllerConfig,
-    EngineStats,
-    LimitController,
-    Sample,
-    is_distress,
-)
-from kneegate.controllers.window import Summary, Window
+from kneegate.controllers.base import BaseControllerConfig
+from kneegate.controllers.window import Summary, Windowed
 
 __all__ = ["ExpAverage", "Gradient", "GradientConfig"]
 
@@ -81,40 +75,17 @@ class ExpAverage:
         return self.value
 
 
-class Gradient(LimitController):
+class Gradient(Windowed):
     name = "gradient"
 
     def __init__(self, cfg: GradientConfig | None = None) -> None:
         self.cfg: GradientConfig = cfg or GradientConfig()
-        super().__init__(self.cfg)
+        super().__init__(self.cfg, self.cfg)
         self._long_ttft = ExpAverage(self.cfg.long_window, self.cfg.warmup)
         self._long_tpot = ExpAverage(self.cfg.long_window, self.cfg.warmup)
-        self._window: Window | None = None
-        self._prev_stats: EngineStats | None = None
         self._last: dict[str, float | None] = {"ttft_long": None, "tpot_long": None}
 
-    def _on_sample(self, s: Sample) -> None:
-        self._open(s.finished_at).add(s)
-
-    def _on_engine_stats(self, stats: EngineStats) -> None:
-        if is_distress(self._prev_stats, stats):
-            self._open(stats.at).distress = True
-        self._prev_stats = stats
-
-    def _on_tick(self, now: float, inflight: int) -> None:
-        w = self._open(now)
-        w.tick(now, inflight, self.limit)
-        c = self.cfg
-        if w.ready(now, c.window, c.min_samples, c.max_window):
-            self._window = None
-            self._update(w.summary(now))
-
-    def _open(self, now: float) -> Window:
-        if self._window is None:
-            self._window = Window(start=now, last_tick=now)
-        return self._window
-
-    def _update(self, w: Summary) -> None:
+    def _close(self, w: Summary) -> None:
         gradients = [
             self._gradient(self._long_ttft, w.ttft_mean, "ttft_long"),
             self._gradient(self._long_tpot, w.tpot_mean, "tpot_long"),

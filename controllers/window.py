@@ -12,16 +12,30 @@ tokens/s, TTFT p90, TPOT p50, how much of the window the gateway was saturated
 (running + waiting) and tokens/s, which are instant and count every gateway; any scrape at
 all gives the engine's mean running and KV-cache use over the window, the fewest requests
 waiting in any scrape (a queue that never emptied), and the preemptions counted in it.
+
+`Windowed` is the template both use: a window opens on the first sample, scrape or tick
+after the last one closed; every tick advances it and, once `ready` (the quorum is
+`min_samples`, or what `_quorum` says), closes it into `_close(summary)`. Engine distress
+(`is_distress` between consecutive scrapes) marks the open window; with `keeps_scrapes`
+the window also keeps the scrapes, led by the one before it as the counters' baseline.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
-from kneegate.controllers.base import EngineStats, Outcome, Sample
+from kneegate.controllers.base import (
+    BaseControllerConfig,
+    EngineStats,
+    LimitController,
+    Outcome,
+    Sample,
+    is_distress,
+)
 
-__all__ = ["Summary", "Window", "quantile"]
+__all__ = ["Summary", "Window", "WindowSettings", "Windowed", "quantile"]
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -140,3 +154,61 @@ class Window:
         inflight = sum(s.running + s.waiting for s in st) / len(st)
         tput = (st[-1].generation_tokens_total - st[0].generation_tokens_total) / span
         return inflight, tput
+
+
+class WindowSettings(Protocol):
+    """The window lengths a windowed controller's config carries."""
+
+    @property
+    def window(self) -> float: ...  # minimum window length, seconds
+
+    @property
+    def min_samples(self) -> int: ...  # samples before a window closes
+
+    @property
+    def max_window(self) -> float: ...  # a window closes by this age
+
+
+class Windowed(LimitController):
+    """Template for a controller that decides once per closed window (`_close`)."""
+
+    keeps_scrapes: ClassVar[bool] = False  # the window keeps the engine's scrapes
+
+    def __init__(self, cfg: BaseControllerConfig, spans: WindowSettings) -> None:
+        super().__init__(cfg)
+        self._spans = spans
+        self._window: Window | None = None
+        self._prev_stats: EngineStats | None = None
+
+    def _open(self, now: float) -> Window:
+        if self._window is None:
+            self._window = Window(start=now, last_tick=now)
+        return self._window
+
+    def _on_sample(self, s: Sample) -> None:
+        self._open(s.finished_at).add(s)
+
+    def _on_engine_stats(self, stats: EngineStats) -> None:
+        if self.keeps_scrapes:
+            w = self._open(stats.at)
+            if not w.stats and self._prev_stats is not None:
+                w.stats.append(self._prev_stats)  # counters need a baseline: span the window
+            w.stats.append(stats)
+        if is_distress(self._prev_stats, stats):
+            self._open(stats.at).distress = True
+        self._prev_stats = stats
+
+    def _on_tick(self, now: float, inflight: int) -> None:
+        w = self._open(now)
+        w.tick(now, inflight, self.limit)
+        s = self._spans
+        if w.ready(now, s.window, self._quorum(w), s.max_window):
+            self._window = None
+            self._close(w.summary(now))
+
+    def _quorum(self, w: Window) -> int:
+        """Samples the open window needs before it may close at `window` seconds."""
+        return self._spans.min_samples
+
+    def _close(self, w: Summary) -> None:
+        """Decide on one closed window."""

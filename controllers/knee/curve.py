@@ -1,0 +1,288 @@
+"""The throughput-vs-concurrency curve: points learnt per level, and the knee read from them.
+
+A closed window gives one point (level c, throughput, TTFT p90, TPOT p50): the engine's
+(running + waiting, its tokens/s) when it publishes its counters, else this gateway's
+(mean in-flight, Little's law); the two are different curves, and a switch clears it.
+Points are kept per level bin (`bin_ratio` wide, log scale), averaged with weight
+`smoothing`, forgotten after `memory` s; a breach mark (`over_objective`) fades after
+`objective_memory` s. A level whose throughput moved by more than `change` from the
+nearest point says the engine changed: every point goes but the breached ones.
+
+Only steady levels count (in-flight held >= 0.8 x its peak in the window). Walking up
+them, the curve is *kept* until the first level whose throughput is `decline` under the
+best so far, or whose Kleinrock power (tput / (TTFT p90 + TPOT p50 x mean answer)) is under
+`power_floor` x the best while its step up from the best's level did not pay. The knee
+is the lowest of:
+
+    fit:     tput = a c / (1 + c/k), least squares on c / tput = 1/a + c/(a k)
+             (a slope within 3 standard errors of 0 is no bend);
+             knee where the elasticity 1 / (1 + c/k) = e_min, no lower than the
+             lowest kept level
+    plateau: the lowest kept level from which every step up of >= `pair` (and from
+             each level within `pair` under it) has ln(t'/t) / ln(c'/c) < e_min
+    top:     the last kept level, when the curve declined past it
+
+    e_min = ln(1 + step_gain) / ln 1.2   (a 20% step that adds `step_gain`)
+
+`ceiling()` is the highest level measured below the lowest one marked over the
+objectives (`backoff` x that one when none is). Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kneegate.controllers.knee.config import KneeConfig
+from kneegate.controllers.window import Summary
+
+__all__ = ["Curve", "Point", "blend"]
+
+
+@dataclass(slots=True)
+class Point:
+    """The curve at one concurrency level."""
+
+    concurrency: float
+    throughput: float
+    ttft_p90: float | None
+    tpot_p50: float | None
+    over_objective: bool
+    at: float
+    steady: bool = False  # in-flight held level in the window, not a draining burst
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "concurrency": round(self.concurrency, 2),
+            "throughput": round(self.throughput, 2),
+            "ttft_p90": self.ttft_p90,
+            "tpot_p50": self.tpot_p50,
+        }
+
+
+def blend(old: float | None, new: float | None, w: float) -> float | None:
+    """`old` moved towards `new` by weight `w`; either one alone when the other is None."""
+    if old is None or new is None:
+        return new if new is not None else old
+    return old * (1 - w) + new * w
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys on xs; (1, 0) unless the slope is clear."""
+    n = len(xs)
+    if n < 2:
+        return 1.0, 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if max(xs) < 1.5 * min(xs):
+        return 1.0, 0.0  # too narrow a range to tell a bend from noise
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    a = my - b * mx
+    res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
+    # a slope within 3 standard errors of zero is noise: the curve is still linear
+    return (a, b) if b * b * sxx * (n - 2) > 9 * res else (1.0, 0.0)
+
+
+def _gain(p: Point, q: Point) -> float:
+    """Elasticity d ln tput / d ln c between two levels of the curve."""
+    return math.log(q.throughput / p.throughput) / math.log(q.concurrency / p.concurrency)
+
+
+def _fit(pts: list[Point]) -> tuple[float, float]:
+    if len(pts) < 3:
+        return 1.0, 0.0  # two points are one noisy step: no curve yet
+    return _line([p.concurrency for p in pts], [p.concurrency / p.throughput for p in pts])
+
+
+class Curve:
+    """The learnt points, by level bin, and what they say."""
+
+    def __init__(self, cfg: KneeConfig) -> None:
+        self.cfg = cfg
+        self.points: dict[int, Point] = {}
+        self.ref_tokens = 0.0  # mean answer length, in power's delay
+        self.engine_mode: bool | None = None  # points are the engine's, not this gateway's
+
+    # --- learning -------------------------------------------------------------------------
+
+    def level(self, w: Summary) -> tuple[float, float]:
+        """(concurrency, throughput) of the curve this window belongs to."""
+        engine = w.engine_inflight is not None and w.engine_throughput is not None
+        if self.engine_mode is not None and engine != self.engine_mode:
+            self.points.clear()  # engine and gateway points are different curves
+        self.engine_mode = engine
+        if engine:
+            assert w.engine_inflight is not None and w.engine_throughput is not None
+            return w.engine_inflight, w.engine_throughput
+        return w.inflight, w.throughput
+
+    def learn(self, w: Summary, level: float, bad: bool) -> None:
+        """Average the window into the point at its level (`bad`: it broke an objective)."""
+        tput = w.engine_throughput if self.engine_mode else w.throughput
+        if level <= 0 or tput is None:
+            return
+        a = self.cfg.smoothing
+        if w.samples:  # a window closed on the engine's counters alone has no answers
+            self.ref_tokens = blend(self.ref_tokens or None, w.output_tokens_mean, a) or 0.0
+        self._forget(w.end)
+        # a level, not a ramp: in-flight stayed near its peak through the window
+        steady = w.inflight >= 0.8 * w.max_inflight
+        key = round(math.log(level) / math.log1p(self.cfg.bin_ratio))
+        near = self._nearest(level)
+        if near is not None and abs(tput - near.throughput) > self.cfg.change * near.throughput:
+            self._forget_change()  # the engine changed since `near` was measured
+        old = self.points.get(key)
+        if old is None:
+            self.points[key] = Point(level, tput, w.ttft_p90, w.tpot_p50, bad, w.end, steady)
+            return
+        old.concurrency = old.concurrency * (1 - a) + level * a
+        old.throughput = old.throughput * (1 - a) + tput * a
+        old.ttft_p90 = blend(old.ttft_p90, w.ttft_p90, a)
+        old.tpot_p50 = blend(old.tpot_p50, w.tpot_p50, a)
+        if bad or w.samples:  # no request finished, no latency read: no news on objectives
+            old.over_objective = bad
+        old.at = w.end
+        old.steady = steady
+
+    def clear(self) -> None:
+        self.points.clear()
+
+    def _nearest(self, level: float) -> Point | None:
+        """The stored point closest to `level`, if within two bins of it."""
+        best = min(self.points.values(), key=lambda p: abs(p.concurrency - level), default=None)
+        if best is None or abs(best.concurrency - level) > 2 * self.cfg.bin_ratio * level:
+            return None
+        return best
+
+    def _forget_change(self) -> None:
+        """The engine changed: the throughput curve is stale, but no breach of the objectives
+        goes with it (those fade after `objective_memory`, or a clean window at the level
+        lifts them); see docs/design/knee.md for what dropping them did."""
+        for key, p in list(self.points.items()):
+            if not p.over_objective:
+                del self.points[key]
+
+    def _forget(self, now: float) -> None:
+        for key in [k for k, p in self.points.items() if now - p.at > self.cfg.memory]:
+            del self.points[key]
+        for p in self.points.values():
+            if now - p.at > self.cfg.objective_memory:
+                p.over_objective = False  # old news: let probes look again
+
+    # --- reading --------------------------------------------------------------------------
+
+    def top(self) -> float:
+        """The highest level measured (the initial limit before any)."""
+        return max((p.concurrency for p in self.points.values()), default=self.cfg.initial)
+
+    def highest(self) -> Point | None:
+        """The point at the highest level measured; None before any."""
+        return max(self.points.values(), key=lambda p: p.concurrency, default=None)
+
+    def ceiling(self) -> float:
+        """Highest level measured below the lowest level that broke an objective."""
+        bad = [p.concurrency for p in self.points.values() if p.over_objective]
+        if not bad:
+            return math.inf
+        lowest_bad = min(bad)
+        ok = [p.concurrency for p in self.points.values() if p.concurrency < lowest_bad]
+        return max(ok) if ok else lowest_bad * self.cfg.backoff
+
+    def knee(self) -> tuple[float | None, bool]:
+        """(knee level of the throughput curve, still rising at the top); None: none seen yet."""
+        kept, declined = self.kept()
+        top = kept[-1].concurrency if kept and declined else math.inf
+        a, b = _fit(kept)
+        knee = min(top, self._flat(kept))
+        if b > 0 and a > 0:
+            # a fit whose knee lies under every level measured says they are all on the
+            # plateau, not where it starts: no lower than the lowest of them
+            fitted = max(a / b * (1 / self.e_min() - 1), kept[0].concurrency)
+            knee = min(fitted, knee)
+        if not math.isfinite(knee):
+            return None, True
+        return knee, not declined and knee >= kept[-1].concurrency
+
+    def e_min(self) -> float:
+        """The elasticity of a 20% step that adds `step_gain`: below it, a step does not pay."""
+        return math.log1p(self.cfg.step_gain) / math.log(1.2)
+
+    def _flat(self, kept: list[Point]) -> float:
+        """The lowest kept level from which no step up of `pair` or more to a kept level pays
+        (measured, not fitted: on a flat plateau the saturating model need not bend)."""
+        e_min = self.e_min()
+        # a draining window's mean in-flight understates the level its throughput came from
+        kept = [p for p in kept if p.steady]
+        pair = self.cfg.pair
+        for p in kept:
+            # p and the levels just under it, so one lucky window at p is not a plateau
+            near = [r for r in kept if p.concurrency / pair < r.concurrency <= p.concurrency]
+            above = [q for q in kept if q.concurrency >= pair * p.concurrency]
+            if above and all(_gain(r, q) < e_min for r in near for q in above):
+                return p.concurrency
+        return math.inf
+
+    def elasticity(self, level: float) -> float:
+        """d ln tput / d ln c of the fitted curve at `level`; 1 (linear) without a fit."""
+        a, b = _fit(self.kept()[0])
+        return max(0.0, min(1.0, a / (a + b * level))) if b > 0 and a + b * level > 0 else 1.0
+
+    def kept(self) -> tuple[list[Point], bool]:
+        """The steady levels up to the decline, ascending; and whether one was cut off."""
+        # a draining window's mean in-flight understates the level its throughput came from
+        pts = sorted((p for p in self.points.values() if p.steady), key=lambda p: p.concurrency)
+        kept = self._until_decline([p for p in pts if p.throughput > 0])
+        return kept, len(kept) < len(pts)
+
+    def _until_decline(self, pts: list[Point]) -> list[Point]:
+        kept: list[Point] = []
+        best_x = 0.0
+        best: tuple[float, Point] | None = None  # the highest power so far, and its level
+        for p in pts:
+            power = self._power(p)
+            if p.throughput < best_x * (1 - self.cfg.decline):
+                break  # past the decline; a second peak beyond is a false one
+            if (
+                power is not None
+                and best is not None
+                and power < best[0] * self.cfg.power_floor
+                and _gain(best[1], p) < self.e_min()
+            ):
+                break  # latency grew far faster than throughput, which the step did not buy
+            kept.append(p)
+            best_x = max(best_x, p.throughput)
+            if power is not None and (best is None or power > best[0]):
+                best = (power, p)
+        return kept
+
+    def _power(self, p: Point) -> float | None:
+        """Kleinrock's power; None for a level measured by the engine's counters alone (no
+        request finished in its window), whose latency is unknown, not zero."""
+        if p.ttft_p90 is None and p.tpot_p50 is None:
+            return None
+        delay = (p.ttft_p90 or 0.0) + (p.tpot_p50 or 0.0) * max(self.ref_tokens, 1.0)
+        return p.throughput / delay if delay > 0 else None
+
+    def view(self, room: float) -> dict[str, Any]:
+        """The curve as the live page draws it (see `Knee.fit`); reads, never changes it."""
+        kept, declined = self.kept()
+        a, b = _fit(kept)
+        fitted = a > 0 and b > 0
+        pts = self.points.values()
+        # kept's prefix of these; `declined` also counts a level that measured no throughput
+        past = sorted(p.concurrency for p in pts if p.steady and p.throughput > 0)[len(kept):]
+        bad = sorted(p.concurrency for p in pts if p.over_objective)
+        return {
+            "kept": [round(p.concurrency, 2) for p in kept],
+            "decline_from": round(past[0], 2) if declined and past else None,
+            "intercept": a if fitted else None,
+            "slope": b if fitted else None,
+            "curve_knee": self.knee()[0],
+            "room": room if math.isfinite(room) else None,
+            "over_objective": [round(c, 2) for c in bad],
+        }
+
+    def as_list(self) -> list[dict[str, Any]]:
+        """The points by level, as `state()` shows them."""
+        return [p.as_dict() for p in sorted(self.points.values(), key=lambda p: p.concurrency)]

@@ -1,0 +1,295 @@
+"""`Knee`: the region policy that turns the parts' readings into one limit per window.
+
+A window closes on a tick once `window` s old with `min_samples` samples, or with three
+engine scrapes and no sample at all (the engine's counters measure throughput while long
+requests still run), or at `max_window`. Each closed window:
+
+    bad     = a drop, or TTFT p90 > ttft_objective, or TPOT p50 > tpot_objective
+    learn   the curve's point, unless the window measured a move of the limit (the burst
+            of prefills after it) or the engine queued (the plateau at no level); after a
+            rise, a window whose engine in-flight filled 0.8 x the gateway's peak and whose
+            throughput grew from the highest level with elasticity >= 1/2 counts
+    room    re-read (`Room.measure`)
+    knee    = min(curve knee, room)          (published only within a climb step of the
+                                              levels measured, or from a grounded room)
+    target  = min(headroom x knee, ceiling) x share          (ceiling x share: no knee)
+    probe   every `probe_every` windows with a knee, if the curve's knee binds (room >
+            knee) and knee x (1 + probe_step) is within a climb step of the highest
+            level measured: target = min(knee x (1 + probe_step), ceiling) x share
+
+Regions, in order:
+
+    decline  bad: limit = min(target, backoff x min(limit, in-flight))
+    linear   in-flight at the limit for >= `saturation` of the window, engine not full:
+             a probe goes to its target at once; else limit = min(target,
+             limit x (1 + climb x elasticity)), and while the room is more than two climb
+             steps away, no more than (1 + climb) x the highest level measured (every
+             level of the climb is measured before the next)
+    low      app-limited, or the engine queued: limit = min(limit, target) (never grows)
+
+A window that moved the limit by more than a bin marks the next one as measuring the
+move; a cut makes samples admitted before it no measurement.
+
+Between windows:
+- a prompt-size shift (`PromptSizes`) cuts limit, room and knee estimate by its ratio at
+  once and clears the curve (the rescale's `Epoch` then holds the room and the share);
+- each scrape re-sizes the KV edge (`KvEdge`), which, with this gateway alone in front of
+  the engine, caps the limit, and sets it (up to the ceiling) where the cache is >= 3/4
+  full; `fits` is the token budget.
+
+Reads `Sample` (admitted_at, duration, ttft, prompt and output tokens, outcome),
+`EngineStats` (running, waiting, KV use and size, preemptions, generated tokens), the
+in-flight count per tick and prompt estimates on arrival or admission. Pure: no clock,
+no I/O. Why each rule is as it is: docs/design/knee.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kneegate.controllers.base import EngineStats, Sample
+from kneegate.controllers.knee.config import KneeConfig
+from kneegate.controllers.knee.curve import Curve
+from kneegate.controllers.knee.kv import KvEdge
+from kneegate.controllers.knee.room import Room, Share, queued
+from kneegate.controllers.knee.sizes import Epoch, PromptSizes
+from kneegate.controllers.knee.tokens import Calibration
+from kneegate.controllers.window import Summary, Window, Windowed
+
+__all__ = ["Knee"]
+
+
+class Knee(Windowed):
+    name = "knee"
+    keeps_scrapes = True
+
+    def __init__(self, cfg: KneeConfig | None = None) -> None:
+        self.cfg: KneeConfig = cfg or KneeConfig()
+        super().__init__(self.cfg, self.cfg)
+        self._curve = Curve(self.cfg)
+        self._room = Room()
+        self._share = Share()
+        self._cal = Calibration(self.cfg.admit_learned)
+        self._sizes = PromptSizes(self.cfg)
+        self._epoch = Epoch()
+        self._kv = KvEdge(self.cfg)
+        self._since_probe = 0
+        self._last_cut = -math.inf  # samples admitted before it measure a level left
+        self._moved = True  # the last window moved the limit by more than a bin (start: from 0)
+        self._moved_up = False  # and raised it
+        self._probing = False  # this window's target is a probe above the knee
+        self._now = -math.inf  # the last tick's time
+        self._arrivals_seen = False  # the gateway reports arrivals: admissions are not read
+
+    @property
+    def limit(self) -> int:
+        base = super().limit
+        kv = self._kv.limit
+        if kv is None or not self._share.alone():
+            return base
+        # the KV edge caps the window's limit, and sets it (above the window's: while small
+        # requests sized before a rescale drain, their KV frees for the new sizes) where the
+        # cache is what holds the engine back, 3/4 full; below that a level never measured
+        # would skip the climb (H100: a queue of prefills at 37% KV read as room for 500)
+        lift = self._kv.use >= 0.75
+        kv = min(kv, self.ceiling()) if lift else min(kv, base)
+        return max(self.cfg.min_limit, min(self.cfg.max_limit, math.floor(kv)))
+
+    def fits(self, inflight: int, inflight_tokens: int, tokens: int) -> bool:
+        """The token budget (`KvEdge.fits`); everything fits with several gateways (each
+        sees only its own requests)."""
+        if not self._share.alone():
+            return True
+        return self._kv.fits(inflight, inflight_tokens, tokens, self._cal)
+
+    # --- inputs -----------------------------------------------------------------------
+
+    def on_arrival(self, prompt_tokens: int) -> None:
+        """The leading signal, read where requests join the queue: under overload the queue
+        ahead delays the same sizes at admission by its wait (~5 s at 3x)."""
+        self._arrivals_seen = True
+        self._note_prompt(prompt_tokens)
+
+    def on_admit(self, prompt_tokens: int) -> None:
+        """Admissions are the population whose prompts finish (calibration), and the leading
+        signal for a gateway that does not report arrivals."""
+        self._cal.admit(prompt_tokens)
+        if not self._arrivals_seen:
+            self._note_prompt(prompt_tokens)
+
+    def _note_prompt(self, prompt_tokens: int) -> None:
+        cut = self._sizes.note(prompt_tokens, self._cal)
+        if cut is not None:
+            self._rescale(*cut)
+
+    def _rescale(self, r: float, size: float | None) -> None:
+        """Each request now holds r x the KV it held: limit, room and knee estimate fall by r
+        now, and the curve is relearnt; samples admitted before measure a level left."""
+        self._set_limit(max(1.0, self._limit / r))
+        self._kv.reset()
+        self._room.rescale(r)
+        if self.knee_estimate is not None:
+            self.knee_estimate /= r
+        self._curve.clear()
+        self._moved, self._moved_up = True, False
+        self._epoch.begin(self._now, self.cfg.max_window)
+        self._last_cut = self._now
+        self._sizes.rebase(size)
+
+    def _calibrated(self) -> bool:
+        return self._epoch.calibrated(self.cfg.admit_recent, self.cfg.admit_learned)
+
+    def _on_sample(self, s: Sample) -> None:
+        self._epoch.finish(s)
+        self._cal.learn_k(self._calibrated())
+        # a finish gives back its prompt and answer before the next scrape shows it
+        prompt = s.prompt_tokens or self._cal.tokens(self._sizes.learned)
+        self._kv.finish(s.finished_at, prompt + s.output_tokens)
+        self._cal.finish(s)
+        if s.admitted_at >= self._last_cut:
+            super()._on_sample(s)
+
+    def _on_engine_stats(self, stats: EngineStats) -> None:
+        super()._on_engine_stats(stats)
+        c = self.cfg
+        learn = self._epoch.settled(stats.at, c.window, c.max_window) and self._calibrated()
+        self._kv.scrape(stats, self._cal.tokens(self._sizes.learned), self._cal, learn)
+
+    def _on_tick(self, now: float, inflight: int) -> None:
+        self._now = now
+        super()._on_tick(now, inflight)
+
+    def _quorum(self, w: Window) -> int:
+        # engine counters measure throughput without waiting for requests to finish
+        return 0 if len(w.stats) >= 3 else self.cfg.min_samples
+
+    # --- one closed window --------------------------------------------------------------
+
+    def _close(self, w: Summary) -> None:
+        c = self.cfg
+        bad = w.drops > 0 or self._over_objective(w)
+        level, _ = self._curve.level(w)
+        full = queued(w, c.queue_jitter)
+        # the window after a move measures the move (a burst of prefills), not the level
+        # a full engine's level counts its queue: its throughput is the plateau's, at no level
+        measured = w.samples or w.engine_throughput is not None
+        if measured and (bad or not self._moved or self._climbed(w, level)) and not full:
+            self._curve.learn(w, level, bad)
+        self._room.measure(w, full, self._epoch.draining(w.start), c.room_rise)
+        before = self._limit
+        self._probing = False
+        target = self._target(level) * self._share.update(
+            w, level, not (self._moved or self._epoch.draining(w.start)), c.smoothing
+        )
+        if bad:
+            # decrease needs no proof of load: cut below what was actually in flight
+            cut = min(self._limit, max(w.inflight, 1.0)) * c.backoff
+            self._set_limit(max(1.0, min(target, cut)))
+        elif w.saturated >= c.saturation and not full:
+            # demand exceeds the limit and the engine keeps up: grow, at most one climb step
+            # a probe goes to its level at once: on a flat plateau the fit's elasticity is ~0
+            # and a climb step would never leave the knee
+            grow = target if self._probing else self._grow(level)
+            self._set_limit(max(1.0, min(target, grow)))
+        else:
+            # app-limited or queued: hold — there is no evidence the engine takes more
+            self._set_limit(max(1.0, min(self._limit, target)))
+        self._moved = abs(self._limit - before) > c.bin_ratio * before
+        self._moved_up = self._moved and self._limit > before
+        if self._limit < before:
+            self._last_cut = w.end  # later samples admitted before this measure a level left
+
+    def _over_objective(self, w: Summary) -> bool:
+        c = self.cfg
+        return (w.ttft_p90 is not None and w.ttft_p90 > c.ttft_objective) or (
+            w.tpot_p50 is not None and w.tpot_p50 > c.tpot_objective
+        )
+
+    def _climbed(self, w: Summary, level: float) -> bool:
+        """The window after a rise measures the new level when the engine's counters show it
+        kept pace: in-flight filled the level at once and throughput grew from the highest
+        level measured with elasticity of at least 1/2; one that reads flat may be the
+        rise's burst of prefills, and the next window decides, as for any move."""
+        tput = w.engine_throughput
+        top = self._curve.highest()
+        if not (self._moved_up and self._curve.engine_mode and tput and top is not None):
+            return False
+        full = (w.engine_inflight or 0.0) >= 0.8 * w.max_inflight
+        if not full or w.saturated < self.cfg.saturation or level < self.cfg.pair * top.concurrency:
+            return False
+        if tput <= 0 or top.throughput <= 0:  # a counter that stood still or was reset
+            return False
+        return math.log(tput / top.throughput) >= 0.5 * math.log(level / top.concurrency)
+
+    def _grow(self, level: float) -> float:
+        step = 1 + self.cfg.climb
+        grow = self._limit * (1 + self.cfg.climb * self._curve.elasticity(level))
+        if self._room.value <= step * step * self._limit:
+            return grow  # the engine's room is within two steps: it stops the climb
+        # else at most one step past the highest level measured (the initial limit before
+        # any): doublings never measured overshoot a flat plateau
+        return max(self._limit, min(grow, step * self._curve.top()))
+
+    # --- the knee and the limit -----------------------------------------------------------
+
+    def _target(self, level: float) -> float:
+        """Where the curve level should go: headroom below the knee, under the ceiling."""
+        knee = self._knee_now()
+        if knee is None:
+            return self.ceiling()
+        self.knee_estimate = knee if self._published(knee) else None
+        self._since_probe += 1
+        # a probe obeys the climb's bound, one climb step past the highest level measured:
+        # the demo's ramp fitted a knee of 143 over levels 6..22 and a probe went to 157
+        probe = knee * (1 + self.cfg.probe_step)
+        near = probe <= (1 + self.cfg.climb) * self._curve.top()
+        if self._since_probe >= self.cfg.probe_every and self._room.value > knee and near:
+            self._since_probe = 0  # one cheap window above a throughput knee: it may have moved
+            self._probing = True
+            return min(probe, self.ceiling())
+        return min(self.cfg.headroom * knee, self.ceiling())
+
+    def _published(self, knee: float) -> bool:
+        """An estimate worth showing: within a climb step of the levels measured, or a room
+        reading that was measured (an idle engine's extrapolated room is no knee)."""
+        return knee <= (1 + self.cfg.climb) * self._curve.top() or (
+            knee >= self._room.value and self._room.grounded
+        )
+
+    def _knee_now(self) -> float | None:
+        fit, _ = self.knee()
+        knee = min(fit or math.inf, self._room.value)
+        return knee if math.isfinite(knee) else None
+
+    def ceiling(self) -> float:
+        """Highest level measured below the lowest level that broke an objective."""
+        return self._curve.ceiling()
+
+    def knee(self) -> tuple[float | None, bool]:
+        """(knee level of the throughput curve, still rising at the top); None: none seen yet.
+
+        The lowest of the fitted saturating curve's knee, the plateau's measured start and
+        the last level kept before a decline (`Curve.knee`)."""
+        return self._curve.knee()
+
+    def fit(self) -> dict[str, Any]:
+        """The learned curve as the live page draws it; reads, never changes, the state.
+
+        `kept`: the levels the knee is read from (steady, before any decline); `decline_from`:
+        the first steady level past the decline (null: none); `intercept`, `slope`: the fitted
+        line c / tput = intercept + slope x c, i.e. tput = c / (intercept + slope x c), null
+        when the kept levels do not bend it; `curve_knee`: the knee of the throughput curve
+        (fit, plateau, decline), `room`: the engine's (null: not measured); the lower of the
+        two is the knee estimate while it is published. `over_objective`: levels marked."""
+        return self._curve.view(self._room.value)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            **super().state(),
+            "curve": self._curve.as_list(),
+            "fit": self.fit(),
+            "curve_of": "engine" if self._curve.engine_mode else "gateway",
+            "kv_capacity_tokens": self._kv.reported,
+            "token_budget": self._kv.token_budget(),
+        }

@@ -1,0 +1,160 @@
+"""The knee controller's parts, each alone: literal readings in, exact state out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ctl_helpers import make_sample, scrape
+
+from kneegate.controllers import knee
+from kneegate.controllers.knee import KneeConfig
+from kneegate.controllers.knee.kv import KvEdge
+from kneegate.controllers.knee.room import Room, Share, queued
+from kneegate.controllers.knee.sizes import Epoch, PromptSizes
+from kneegate.controllers.knee.tokens import Calibration
+from kneegate.controllers.window import Summary
+
+
+def summary(**overrides: Any) -> Summary:
+    """A 5 s window at 16 in flight, saturated, with 8 healthy samples; override any field."""
+    fields: dict[str, Any] = {
+        "start": 0.0,
+        "end": 5.0,
+        "samples": 8,
+        "inflight": 16.0,
+        "max_inflight": 16,
+        "saturated": 1.0,
+        "throughput": 400.0,
+        "ttft_p90": 0.2,
+        "tpot_p50": 0.02,
+        "ttft_mean": 0.2,
+        "tpot_mean": 0.02,
+        "drops": 0,
+        "distress": False,
+    }
+    fields.update(overrides)
+    return Summary(**fields)
+
+
+def calibrated(prompt: int = 100, answer: int = 100) -> Calibration:
+    """One finished request of `prompt` + `answer` tokens: held answer = answer / 2."""
+    cal = Calibration(learned=200)
+    cal.finish(make_sample(prompt_tokens=prompt, output_tokens=answer))
+    return cal
+
+
+def test_the_package_exports_what_knee_py_did() -> None:
+    assert knee.__all__ == ["Knee", "KneeConfig", "Point"]
+
+
+def test_the_room_falls_at_once_and_rises_by_room_rise() -> None:
+    room = Room()
+    room.measure(summary(engine_running=30.0, engine_kv=0.5), False, False, 0.5)
+    assert (room.value, room.grounded) == (60.0, True)  # 30 running in half the cache
+    room.measure(summary(engine_running=30.0, engine_kv=1.0), False, False, 0.5)
+    assert room.value == 30.0  # a fall is news
+    room.measure(summary(engine_running=30.0, engine_kv=0.5), False, False, 0.5)
+    assert room.value == 45.0  # a rise is smoothed
+    room.measure(summary(engine_running=30.0, engine_kv=0.25), False, True, 0.5)
+    assert room.value == 45.0  # no rise while a rescale's old requests drain
+
+
+def test_a_full_engine_holds_what_runs_and_an_idle_one_reads_no_grounded_room() -> None:
+    room = Room()
+    room.measure(summary(engine_running=30.0, engine_kv=0.6), True, False, 0.5)
+    assert (room.value, room.grounded) == (30.0, True)
+    room.measure(summary(engine_running=1.0, engine_kv=0.01), False, False, 0.5)
+    assert room.grounded is False  # 1 running in 1% of the cache is a guess of 100
+
+
+def test_a_queue_under_the_jitter_is_no_full_engine() -> None:
+    assert not queued(summary(engine_waiting=1.0, engine_running=200.0), 0.01)
+    assert queued(summary(engine_waiting=3.0, engine_running=200.0), 0.01)
+    assert queued(summary(engine_waiting=0.0, engine_running=200.0, engine_preempted=1.0), 0.01)
+
+
+def test_the_share_is_learnt_only_from_settled_windows() -> None:
+    share = Share()
+    assert share.update(summary(inflight=10.0), 20.0, False, 0.5) == 0.5  # the first reading
+    assert share.update(summary(inflight=20.0), 20.0, False, 0.5) == 0.5  # moved: not learnt
+    assert share.update(summary(inflight=20.0), 20.0, True, 0.5) == 0.75
+    assert not share.alone()
+
+
+def test_a_shift_cuts_by_the_last_few_prompts_and_a_confirmation_cuts_deeper() -> None:
+    cfg = KneeConfig(admit_recent=4, admit_last=2, admit_confirm=2)
+    sizes, cal = PromptSizes(cfg), Calibration(learned=cfg.admit_learned)
+    for _ in range(4):
+        assert sizes.note(100, cal) is None
+    # the slow mean reads 175 (x1.75), the last two 250: the cut is by 2.5
+    assert sizes.note(400, cal) == (2.5, None)
+    sizes.rebase(None)
+    assert (sizes.learned, sizes.confirm) == (250.0, [])
+    assert sizes.note(400, cal) is None  # learned follows: 275
+    # the two after the cut average 400, x1.45 the 275 learned since: a second cut
+    assert sizes.note(400, cal) == (pytest.approx(400 / 275), 400.0)
+    sizes.rebase(400.0)
+    assert (sizes.learned, sizes.confirm) == (400.0, None)
+
+
+def test_smaller_prompts_only_rebase() -> None:
+    cfg = KneeConfig(admit_recent=4)
+    sizes, cal = PromptSizes(cfg), Calibration(learned=cfg.admit_learned)
+    for _ in range(4):
+        sizes.note(400, cal)
+    assert sizes.note(1, cal) is None
+    assert sizes.learned == sizes.recent == pytest.approx(300.25)
+
+
+def test_a_second_rescale_within_max_window_keeps_the_first_ones_start() -> None:
+    epoch = Epoch()
+    assert not epoch.calibrated(1, 2)
+    epoch.begin(10.0, 30.0)
+    epoch.finish(make_sample(admitted_at=5.0, duration=10.0))  # admitted before: old
+    assert (epoch.old_finish, epoch.dones_since) == (15.0, 1)
+    epoch.begin(20.0, 30.0)
+    assert (epoch.rescaled_at, epoch.old_finish, epoch.dones_since) == (10.0, 20.0, 1)
+    assert epoch.draining(20.0) and not epoch.draining(20.5)
+    assert not epoch.settled(39.0, 5.0, 30.0) and epoch.settled(41.0, 5.0, 30.0)
+    epoch.finish(make_sample(admitted_at=12.0))
+    assert epoch.calibrated(1, 2) and not epoch.calibrated(1, 3)  # after a rescale: `learned`
+
+
+def test_the_kv_edge_fills_the_free_cache_and_a_finish_gives_back_its_tokens() -> None:
+    kv, cal = KvEdge(KneeConfig()), calibrated()
+    kv.scrape(scrape(1.0, running=10, kv=0.5), 100.0, cal, True)
+    # capacity 10 x (100 + 50) / 0.5 = 3000; free (0.98 - 0.5) x 3000 - 100 - 0.5 x 200 = 1240
+    assert (kv.learned, kv.limit) == (pytest.approx(3000.0), 10 + 6)
+    kv.finish(2.0, 500.0)  # one of the 10 went and freed 500 tokens: 9 + (1240 + 500) // 200
+    assert kv.limit == 9 + 8
+    kv.reset()
+    assert kv.limit is None
+
+
+def test_the_token_budget_counts_prompts_and_held_answers() -> None:
+    kv, cal = KvEdge(KneeConfig()), calibrated()
+    assert kv.fits(1000, 10**6, 10**6, cal)  # no reported size: no budget
+    kv.scrape(scrape(1.0, running=10, kv=0.5, capacity=4000.0), 100.0, cal, True)
+    assert kv.token_budget() == pytest.approx(0.95 * 4000)
+    assert kv.fits(10, 1000, 100, cal)  # 1100 + 11 x 50 = 1650
+    assert not kv.fits(20, 3000, 100, cal)  # 3100 + 21 x 50 = 4150 > 3800
+
+
+@pytest.mark.parametrize(("top_tput", "tput"), [(0.0, 120.0), (120.0, -50.0)])
+def test_a_climb_is_judged_only_from_throughput_that_was_measured(
+        top_tput: float, tput: float) -> None:
+    # the highest level read no tokens (the engine's counter stood still for a window), or
+    # the window's counter went back (an engine restart): no climb is read from them; the
+    # logarithm of the ratio raised ZeroDivisionError / ValueError and cost every window's
+    # update until the level aged out
+    from kneegate.controllers.knee import Knee, Point
+    from kneegate.controllers.window import Summary
+
+    k = Knee(KneeConfig())
+    k._moved_up, k._curve.engine_mode = True, True
+    k._curve.points = {0: Point(4.0, top_tput, None, None, False, 0.0, True)}
+    w = Summary(start=0.0, end=5.0, samples=0, inflight=10.0, max_inflight=10, saturated=1.0,
+                throughput=0.0, ttft_p90=None, tpot_p50=None, ttft_mean=None, tpot_mean=None,
+                drops=0, distress=False, engine_inflight=10.0, engine_throughput=tput)
+    assert k._climbed(w, 10.0) is False

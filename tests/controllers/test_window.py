@@ -1,0 +1,73 @@
+"""`Windowed`, the window template `gradient` and `knee` share."""
+
+from __future__ import annotations
+
+from ctl_helpers import make_sample, scrape
+
+from kneegate.controllers import BaseControllerConfig, GradientConfig, Outcome
+from kneegate.controllers.window import Summary, Window, Windowed
+
+
+class Recorder(Windowed):
+    """Keeps every closed window's summary."""
+
+    def __init__(self, **spans: float) -> None:
+        super().__init__(BaseControllerConfig(), GradientConfig(**spans))
+        self.closed: list[Summary] = []
+
+    def _close(self, w: Summary) -> None:
+        self.closed.append(w)
+
+
+class Eager(Recorder):
+    """Closes on two scrapes without a sample, as `knee` does on three."""
+
+    def _quorum(self, w: Window) -> int:
+        return 0 if len(w.stats) >= 2 else 10
+
+
+class EagerKeeper(Eager):
+    keeps_scrapes = True
+
+
+def test_a_window_closes_once_old_enough_and_with_its_quorum() -> None:
+    ctl = Recorder(window=5.0, min_samples=2, max_window=30.0)
+    ctl.on_sample(make_sample(admitted_at=0.0, duration=1.0))  # opens the window at 1
+    ctl.on_tick(5.0, 4)
+    ctl.on_sample(make_sample(admitted_at=0.0, duration=5.5))
+    assert ctl.closed == []  # 4 s old
+    ctl.on_tick(6.0, 4)
+    assert [(w.start, w.end, w.samples) for w in ctl.closed] == [(1.0, 6.0, 2)]
+
+
+def test_without_a_quorum_a_window_waits_until_max_window_unless_trouble_came() -> None:
+    ctl = Recorder(window=5.0, min_samples=10, max_window=30.0)
+    ctl.on_tick(0.0, 4)
+    ctl.on_tick(10.0, 4)
+    assert ctl.closed == []
+    ctl.on_sample(make_sample(admitted_at=9.0, duration=2.0, outcome=Outcome.TIMEOUT))
+    ctl.on_tick(11.0, 4)
+    assert [(w.end, w.drops) for w in ctl.closed] == [(11.0, 1)]
+
+
+def test_distress_marks_the_open_window_and_plain_scrapes_open_none() -> None:
+    ctl = Recorder(window=5.0, min_samples=10, max_window=30.0)
+    ctl.on_engine_stats(scrape(0.0, waiting=2))
+    ctl.on_engine_stats(scrape(1.0, waiting=3))  # a queue that is not draining: distress
+    ctl.on_tick(6.0, 4)
+    assert [(w.start, w.distress, w.engine_running) for w in ctl.closed] == [(1.0, True, None)]
+
+
+def test_a_keeper_keeps_the_scrapes_led_by_the_last_one_before_its_window() -> None:
+    ctl = Eager(window=5.0, min_samples=10, max_window=30.0)
+    ctl.on_engine_stats(scrape(0.0, running=4))
+    ctl.on_tick(6.0, 4)
+    assert ctl.closed == []  # a plain scrape opens no window without keeps_scrapes
+
+    keeper = EagerKeeper(window=5.0, min_samples=10, max_window=30.0)
+    keeper.on_engine_stats(scrape(0.0, running=4))
+    keeper.on_engine_stats(scrape(1.0, running=8))
+    keeper.on_tick(5.0, 4)  # two scrapes: the quorum is 0
+    keeper.on_engine_stats(scrape(7.0, running=12))
+    keeper.on_tick(12.0, 4)
+    assert [(w.start, w.engine_running) for w in keeper.closed] == [(0.0, 6.0), (7.0, 10.0)]
