@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controllers.base import Controller
+from gateway.demand import Demand
 
 __all__ = [
     "AdmissionQueue",
@@ -225,6 +226,7 @@ class AdmissionQueue:
     # the safety net: per class, when its head last waited no more than its target
     _short_at: dict[str, float] = field(default_factory=dict, init=False)
     STANDING = 4.0  # targets' worth of time with every head over target: a standing queue
+    demand: Demand = field(default_factory=Demand, init=False)  # the scale-out signal's sums
 
     def __post_init__(self) -> None:
         self.reconfigure(self.classes, self.max_queue, self.upstreams)
@@ -285,6 +287,7 @@ class AdmissionQueue:
         cls = ticket.cls
         if cls not in self.classes:
             raise KeyError(f"unknown priority class {cls!r}")
+        self.demand.arrive(now)  # offered load: counted whatever is decided below
         if self.closed:
             return self.shutdown_rejection()
         if not any(u.usable for u in self.upstreams):
@@ -349,6 +352,7 @@ class AdmissionQueue:
     def note_completion(self, now: float) -> None:
         """A request finished on an engine: the completion rate's evidence."""
         self._completions.note(now)
+        self.demand.complete(now, sum(u.inflight for u in self.upstreams))
 
     def pump(self, now: float) -> list[Ticket]:
         """Dispatch queued tickets while some upstream has room. A head past its objective
@@ -536,3 +540,4 @@ class AdmissionQueue:
         ticket.upstream = up
         ticket.dispatched_at = now
         ticket.inflight_at_admit = up.inflight
+        self.demand.occupy(now, sum(u.inflight for u in self.upstreams))

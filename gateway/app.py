@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from gateway.admission import AdmissionQueue, ClassPolicy
 from gateway.config import GatewayConfig, parse_reload, read_config
+from gateway.demand import DemandEstimate
 from gateway.errors import (
     ConfigError,
     HTTPError,
@@ -107,13 +108,14 @@ class Gateway:
             list(self.pool.active), _policies(config), config.max_queue,
             config.retry_after_min, config.retry_after_max,
         )
+        self.queue.demand.half_life = config.scale.half_life
         self.gate = Gate(self.queue, self.metrics, clock)
         self.client = UpstreamClient(
             config.timeouts.connect, max_header_bytes=config.limits.max_upstream_header_bytes)
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
                            clock)
         self.proxy.access.enabled = config.server.access_log
-        self.metrics.bind_live(self.pool.all, self._depths, clock)
+        self.metrics.bind_live(self.pool.all, self._depths, clock, self.demand)
         self.history = History(self.pool.all, self._depths, self.metrics)
         self._ticker: asyncio.Task[None] | None = None
         self.watcher = ConfigWatcher(config_path) if config_path is not None else None
@@ -125,6 +127,11 @@ class Gateway:
 
     def _depths(self) -> list[tuple[str, int]]:
         return [(name, self.gate.depth(name)) for name in self.config.classes]
+
+    def demand(self, now: float) -> DemandEstimate | None:
+        """The scale-out signal at `now`: offered load against the usable upstreams' limits."""
+        limits = [u.controller.limit for u in self.queue.upstreams if u.usable]
+        return self.queue.demand.estimate(now, limits, self.config.scale.target)
 
     async def start(self) -> None:
         await self.client.start()
@@ -214,6 +221,7 @@ class Gateway:
         self.queue.reconfigure(_policies(new), new.max_queue, list(ups))
         self.queue.retry_after_min = new.retry_after_min
         self.queue.retry_after_max = new.retry_after_max
+        self.queue.demand.half_life = new.scale.half_life
         self.client.set_connect_timeout(new.timeouts.connect)
         self.proxy.settings = ProxySettings.from_config(new)
         self.config = new
@@ -257,13 +265,16 @@ class Gateway:
 
     def status(self) -> dict[str, Any]:
         """Each upstream (its controller's state: limit, knee estimate, learned curve; its
-        engine's scraped figures), the queue and the completion rate."""
+        engine's scraped figures), the queue, the completion rate and the demand (null
+        until known: gateway/demand.py)."""
         now = self.clock()
+        demand = self.demand(now)
         return {
             "upstreams": [u.status(now) for u in self.pool.all()],
             "queue": {name: self.gate.depth(name) for name in self.config.classes},
             "queue_total": self.queue.depth(),
             "completion_rate": round(self.queue.completion_rate, 3),
+            "demand": None if demand is None else demand.as_dict(),
         }
 
 
