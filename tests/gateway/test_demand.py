@@ -199,3 +199,12 @@ def test_the_gateway_exports_its_pools_demand_on_metrics_and_status() -> None:
         "kneegate_suggested_replicas")
     up.usable = False
     assert gw.status()["demand"] is None  # no usable upstream: no capacity to measure
+
+
+def test_a_reload_sets_the_half_life_and_target_without_losing_the_sums() -> None:
+    clock = FakeClock()
+    gw = Gateway(gw_config("http://127.0.0.1:9"), registry=CollectorRegistry(), clock=clock)
+    gw.queue.offer(Ticket("default", clock.now), clock.now)
+    gw.apply(gw_config("http://127.0.0.1:9", scale={"target": 0.6, "half_life": 40.0}))
+    assert gw.queue.demand.half_life == 40.0 and gw.config.scale.target == 0.6
+    assert gw.queue.demand._arrivals == 1.0  # the pool's history stays
