@@ -349,8 +349,8 @@ class _Sim:
                     next_tick += self.TICK
                 else:
                     _, st = self.scrapes.pop(0)
-                    for c in self.ctls:
-                        c.on_engine_stats(st)
+                    for q, up in zip(self.queues, self.ups, strict=True):
+                        q.engine_stats(up, st)
             if next_scrape <= now < sc.duration:
                 self._scrape(now)
                 next_scrape += self.SCRAPE
@@ -392,9 +392,9 @@ class _Sim:
         gw = n % self.sc.gateways
         r = _Req(f"r{n}", cls, gw, t, prompt, out)
         self.all.append(r)
+        # the true prompt size: the gateway's bytes / 4 differs by a constant factor, and
+        # knee uses ratios of sizes only (the queue tells the controller, as in the gateway)
         ticket = Ticket(cls, t, payload=r, tokens=prompt)
-        # as the gateway does when a request joins its queue: the true size (see _dispatch)
-        self.ups[gw].controller.on_arrival(prompt)
         verdict = self.queues[gw].offer(ticket, t)
         if isinstance(verdict, Admitted):
             self._dispatch(ticket, t)
@@ -406,20 +406,17 @@ class _Sim:
         r.dispatched = now
         r.inflight_at_admit = ticket.inflight_at_admit
         self.reqs[r.id] = r
-        # the true prompt size: the gateway's bytes / 4 differs by a constant factor, and
-        # knee uses ratios of sizes only
-        self.ups[r.gateway].controller.on_admit(r.prompt)
         self.core.add_request(EngineRequest(r.id, r.prompt, r.out, ignore_eos=True))
 
     def _tick(self, now: float) -> None:
         knee = 0.0
         for q, up in zip(self.queues, self.ups, strict=True):
-            up.controller.on_tick(now, up.inflight)
-            for ticket in q.expire(now):
+            dispatched, expired = q.tick(now)
+            for ticket in expired + q.take_late():
                 ticket.payload.fate = "timeout"
-            for ticket in q.pump(now):
+            for ticket in dispatched:
                 self._dispatch(ticket, now)
-            knee += getattr(up.controller, "knee_estimate", None) or 0.0
+            knee += up.controller.knee_estimate or 0.0
         res = self.result
         res.times.append(now)
         res.limits.append(sum(u.controller.limit for u in self.ups))
@@ -438,19 +435,11 @@ class _Sim:
             del self.reqs[r.id]
             r.done, r.fate = now, "done"
             up, q = self.ups[r.gateway], self.queues[r.gateway]
-            up.controller.on_sample(
-                Sample(
-                    r.dispatched,
-                    now - r.dispatched,
-                    r.first - r.dispatched,
-                    r.prompt,
-                    r.tokens,
-                    r.inflight_at_admit,
-                    Outcome.OK,
-                )
-            )
-            q.note_ttft(r.first - r.dispatched)  # as the gate does: the engine's part
-            admitted = q.release(up, now, r.prompt)
+            sample = Sample(r.dispatched, now - r.dispatched, r.first - r.dispatched, r.prompt,
+                            r.tokens, r.inflight_at_admit, Outcome.OK)
+            admitted = q.release(up, now, r.prompt, sample)
+            for ticket in q.take_late():
+                ticket.payload.fate = "timeout"
             if now < self.sc.duration:  # draining: what was queued stays undispatched
                 for ticket in admitted:
                     self._dispatch(ticket, now)

@@ -106,6 +106,10 @@ class Controller(Protocol):
     @property
     def limit(self) -> int: ...
 
+    # where the controller believes the throughput curve bends (requests in flight), or
+    # None when it has no estimate (or learns no curve): shown in status and metrics
+    knee_estimate: float | None
+
     def on_sample(self, sample: Sample) -> None: ...
 
     def on_tick(self, now: float, inflight: int) -> None: ...

@@ -5,8 +5,11 @@ async layer in `gateway.gate`) and `benchmarks.simulate` (virtual time) run this
 very code.
 
     offer(ticket, now)  -> Admitted(upstream) | Queued | Rejected(reason, retry_after)
-    release(up, now, t) -> tickets newly dispatched because a slot (and t tokens) freed
-                           (= free(up, t) + note_completion(now) + pump(now))
+    release(up, now, t, sample)
+                        -> tickets newly dispatched because a slot (and t tokens) freed
+                           (= free(up, t) + note_completion(now) + the sample + pump(now))
+    tick(now, ups)      -> (dispatched, expired): the controllers' tick, pump, expire
+    engine_stats(up, s) -> one scrape of the engine's own metrics, to its controller
     pump(now)           -> tickets dispatched because a limit grew
     expire(now)         -> tickets whose deadline passed (503 queue_timeout): the class's
                            wait cap, or its TTFT objective less the engine's expected TTFT
@@ -47,6 +50,14 @@ four-gateways 0.82 -> 0.83 (p99 1.5 -> 0.5 s), capacity-drop 1.07 -> 1.07 -> 1.0
 wait out their objective before their 503, where CoDel answers them at the target. An
 interval of 2 / 3 / 8 targets read about the same (prompt-growth 1.63 / 1.59 / 1.56).
 
+The queue owns each controller's lifecycle, so the gateway and the simulator feed it alike:
+`offer` tells every usable upstream's controller of the arrival (`on_arrival`), a dispatch
+tells the chosen one (`on_admit`), `release` frees the slot first, then feeds the sample
+(`on_sample`), then dispatches; ticks (`on_tick`) and engine scrapes (`on_engine_stats`)
+come in through `tick` and `engine_stats`, and `has_room_for` asks `fits`. Every call is
+guarded: what a controller raises goes to `on_error` (the gate logs and counts it) and
+costs that update only, never a slot or a request.
+
 Dispatch order: higher `priority` classes first, FIFO within a class. A request
 goes to the usable upstream with the most free room, measured as in-flight / limit.
 An upstream has room for a ticket while its in-flight count is under its controller's
@@ -61,10 +72,11 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from controllers.base import Controller
+from controllers.base import Controller, EngineStats, Outcome, Sample
 from gateway.demand import Demand
 
 __all__ = [
@@ -223,6 +235,8 @@ class AdmissionQueue:
     _ttft_seen: int = field(default=0, init=False)
     _TTFT_WEIGHT = 0.1  # of one first token in `engine_ttft`
     closed: bool = field(default=False, init=False)  # shutting down: every offer is refused
+    # what a controller raised: (upstream, hook, exception); None re-raises it
+    on_error: Callable[[UpstreamState, str, Exception], None] | None = None
     # the safety net: per class, when its head last waited no more than its target
     _short_at: dict[str, float] = field(default_factory=dict, init=False)
     STANDING = 4.0  # targets' worth of time with every head over target: a standing queue
@@ -288,6 +302,11 @@ class AdmissionQueue:
         if cls not in self.classes:
             raise KeyError(f"unknown priority class {cls!r}")
         self.demand.arrive(now)  # offered load: counted whatever is decided below
+        # every upstream that may serve it hears of it as it arrives, queued or shed: under
+        # overload the queue delays admissions by seconds
+        for u in self.upstreams:
+            if u.usable:
+                self._call(u, "on_arrival", ticket.tokens)
         if self.closed:
             return self.shutdown_rejection()
         if not any(u.usable for u in self.upstreams):
@@ -334,12 +353,48 @@ class AdmissionQueue:
         objective, tightened by the request's own."""
         return min(self.classes[ticket.cls].ttft_objective, ticket.ttft_objective)
 
-    def release(self, upstream: UpstreamState, now: float, tokens: int = 0) -> list[Ticket]:
-        """A request on `upstream` ended: free its slot (and its ticket's `tokens`) and
-        dispatch what now fits."""
+    def release(self, upstream: UpstreamState, now: float, tokens: int = 0,
+                sample: Sample | None = None) -> list[Ticket]:
+        """A request on `upstream` ended: free its slot (and its ticket's `tokens`) first,
+        then feed its `sample` to the controller (none for a client's doing), then dispatch
+        what now fits (Netflix decrements before onSample: a controller that raises cannot
+        keep the slot)."""
         self.free(upstream, tokens)
         self.note_completion(now)
+        if sample is not None:
+            self.note_sample(upstream, sample)
         return self.pump(now)
+
+    def note_sample(self, upstream: UpstreamState, sample: Sample) -> None:
+        """One request's outcome for `upstream`'s controller (a client's is never a sample);
+        a first token also feeds the engine's TTFT, the engine's part of a predicted wait."""
+        if sample.outcome.is_client:
+            return
+        self._call(upstream, "on_sample", sample)
+        if sample.ttft is not None and sample.outcome is Outcome.OK:
+            self.note_ttft(sample.ttft)
+
+    def tick(self, now: float, upstreams: Iterable[UpstreamState] | None = None
+             ) -> tuple[list[Ticket], list[Ticket]]:
+        """The controllers' tick (`upstreams`: those with requests, the queue's own by
+        default), then dispatch what fits, then time out what waited too long: (dispatched,
+        expired). The dispatched were called `on_admit` already."""
+        for u in self.upstreams if upstreams is None else upstreams:
+            self._call(u, "on_tick", now, u.inflight)
+        dispatched = self.pump(now)
+        return dispatched, self.expire(now)
+
+    def engine_stats(self, upstream: UpstreamState, stats: EngineStats) -> None:
+        """One good scrape of `upstream`'s engine metrics, for its controller."""
+        self._call(upstream, "on_engine_stats", stats)
+
+    def _call(self, up: UpstreamState, hook: str, *args: object) -> None:
+        try:
+            getattr(up.controller, hook)(*args)
+        except Exception as exc:
+            if self.on_error is None:
+                raise
+            self.on_error(up, hook, exc)
 
     def free(self, upstream: UpstreamState, tokens: int = 0) -> None:
         """Give back one slot and its `tokens`; dispatches nothing (`pump` does)."""
@@ -540,4 +595,5 @@ class AdmissionQueue:
         ticket.upstream = up
         ticket.dispatched_at = now
         ticket.inflight_at_admit = up.inflight
+        self._call(up, "on_admit", ticket.tokens)
         self.demand.occupy(now, sum(u.inflight for u in self.upstreams))

@@ -110,6 +110,8 @@ class Gateway:
         )
         self.queue.demand.half_life = config.scale.half_life
         self.gate = Gate(self.queue, self.metrics, clock)
+        self.pool.feed_engine = self.gate.engine_stats
+        self.metrics.set_objectives({n: c.ttft_objective for n, c in config.classes.items()})
         self.client = UpstreamClient(
             config.timeouts.connect, max_header_bytes=config.limits.max_upstream_header_bytes)
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
@@ -219,6 +221,7 @@ class Gateway:
             new = new.model_copy(update={"limits": self.config.limits})
         ups = self.pool.reload(new.upstreams)
         self.queue.reconfigure(_policies(new), new.max_queue, list(ups))
+        self.metrics.set_objectives({n: c.ttft_objective for n, c in new.classes.items()})
         self.queue.retry_after_min = new.retry_after_min
         self.queue.retry_after_max = new.retry_after_max
         self.queue.demand.half_life = new.scale.half_life

@@ -18,9 +18,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterable
 
-from controllers.base import Outcome, Sample
+from controllers.base import EngineStats, Outcome, Sample
 from gateway.admission import (
     AdmissionQueue,
     Admitted,
@@ -28,6 +27,7 @@ from gateway.admission import (
     Rejected,
     RejectReason,
     Ticket,
+    UpstreamState,
 )
 from gateway.errors import (
     NoUpstream,
@@ -95,8 +95,9 @@ class Gate:
     and a caller that leaves in that moment is shed `client_gone`, not admitted and
     cancelled (the engine never saw it).
 
-    Controllers are called through `_notify`, which logs and counts what they raise: a
-    controller bug costs its own update, never a slot or a request.
+    Controllers are called by the queue (it owns their lifecycle); what they raise comes
+    back to `_controller_error`, which logs it once and counts it: a controller bug costs
+    its own update, never a slot or a request.
     """
 
     def __init__(
@@ -105,16 +106,11 @@ class Gate:
         self.queue, self.metrics, self.clock = queue, metrics, clock
         self.handing: dict[str, int] = {}  # class -> tickets dispatched, caller not resumed
         self._logged: set[tuple[str, str]] = set()  # (upstream, hook) whose error was logged
+        queue.on_error = self._controller_error
 
     def depth(self, cls: str) -> int:
         """Requests of `cls` waiting for a slot, as counted: queued or being handed one."""
         return self.queue.depth(cls) + self.handing.get(cls, 0)
-
-    def arrival(self, upstreams: Iterable[Upstream], tokens: int) -> None:
-        """A request of `tokens` (size estimate) arrived: every usable upstream hears it."""
-        for up in upstreams:
-            if up.usable:
-                self._notify(up, "on_arrival", tokens)
 
     async def acquire(self, cls: str, tokens: int = 0, objective: float = math.inf) -> Permit:
         """A permit now, a permit after waiting in the queue, or a Rejection raised.
@@ -178,7 +174,6 @@ class Gate:
         m = self.metrics
         m.child(m.admitted, up.name, ticket.cls).inc()
         m.child(m.queue_wait, ticket.cls).observe(ticket.dispatched_at - ticket.arrived_at)
-        self._notify(up, "on_admit", ticket.tokens)
         return Permit(self, ticket, up)
 
     def _wake(self, tickets: list[Ticket]) -> None:
@@ -192,38 +187,30 @@ class Gate:
                 fut.set_result(None)
 
     def _finish(self, permit: Permit, outcome: Outcome, sample: Sample | None) -> None:
-        # Free the slot first, then feed the controller (guarded), then dispatch, so a
-        # controller that raises cannot keep the slot (Netflix decrements before onSample).
-        up = permit.upstream
+        # the queue frees the slot first, then feeds the controller (guarded), then
+        # dispatches: a controller that raises cannot keep the slot
+        up, t = permit.upstream, permit.ticket
         now = self.clock()
-        self.queue.free(up, permit.ticket.tokens)
-        self.queue.note_completion(now)  # a slot turned over, whoever ended it
+        dispatched = self.queue.release(up, now, t.tokens, sample)
         ttft = tpot = None
         tokens = 0
         if sample is not None and not outcome.is_client:
-            self._notify(up, "on_sample", sample)
             ttft, tpot, tokens = sample.ttft, sample.tpot, sample.output_tokens
-            if ttft is not None and outcome is Outcome.OK:
-                self.queue.note_ttft(ttft)  # the engine's part of a predicted wait
             if ttft is not None:  # the user's clock: from arrival, not dispatch
-                t = permit.ticket
                 user = ttft + permit.admitted_at - t.arrived_at
                 self.metrics.count_user_ttft(t.cls, user, tokens,
                                              user <= self.queue.objective(t))
         self.metrics.count_finished(up.name, outcome, ttft, tpot, tokens)
-        self._pump(now)
+        self._woken(dispatched)
 
-    def _notify(self, up: Upstream, hook: str, *args: object) -> None:
-        """`up.controller.<hook>(*args)`; what it raises is logged (once) and counted."""
-        try:
-            getattr(up.controller, hook)(*args)
-        except Exception:
-            self.metrics.child(self.metrics.controller_errors, up.name, hook).inc()
-            if (up.name, hook) not in self._logged:
-                self._logged.add((up.name, hook))
-                log.exception("controller %s of upstream %s raised in %s (logged once; "
-                              "counted in kneegate_controller_errors_total)",
-                              type(up.controller).__name__, up.name, hook)
+    def _controller_error(self, up: UpstreamState, hook: str, exc: Exception) -> None:
+        """What a controller raised in `hook`: logged once per (upstream, hook), counted."""
+        self.metrics.child(self.metrics.controller_errors, up.name, hook).inc()
+        if (up.name, hook) not in self._logged:
+            self._logged.add((up.name, hook))
+            log.error("controller %s of upstream %s raised in %s (logged once; counted in "
+                      "kneegate_controller_errors_total)", type(up.controller).__name__,
+                      up.name, hook, exc_info=exc)
 
     def reroute(self, permit: Permit) -> bool:
         """Move `permit` to another upstream with room after its own could not be reached
@@ -239,7 +226,6 @@ class Gate:
         assert isinstance(up, Upstream), "admission rerouted to a foreign upstream"
         permit.upstream = up
         self.metrics.child(self.metrics.reroutes, old.name).inc()
-        self._notify(up, "on_admit", permit.ticket.tokens)
         self.pump()
         return True
 
@@ -263,7 +249,7 @@ class Gate:
         if self.reroute(permit):
             old.refusing = True  # after `reroute` freed its slot
             if sample is not None:
-                self._notify(old, "on_sample", sample)
+                self.queue.note_sample(old, sample)
             return True
         now = self.clock()
         if not self.queue.requeue(t, now):
@@ -273,7 +259,7 @@ class Gate:
         m.child(m.finished, old.name, "engine_refused").inc()
         m.child(m.requeued, t.cls).inc()
         if sample is not None:
-            self._notify(old, "on_sample", sample)
+            self.queue.note_sample(old, sample)
         fut: asyncio.Future[Rejected | None] = asyncio.get_running_loop().create_future()
         t.payload = fut
         self._pump(now)  # the head may go at once to an upstream with room
@@ -283,15 +269,20 @@ class Gate:
 
     def tick(self, upstreams: list[Upstream]) -> None:
         """Advance controllers, dispatch what fits, time out what waited too long."""
-        now = self.clock()
-        for up in upstreams:
-            self._notify(up, "on_tick", now, up.inflight)
-        self._pump(now)
-        self._time_out(self.queue.expire(now))
+        dispatched, expired = self.queue.tick(self.clock(), upstreams)
+        self._woken(dispatched)
+        self._time_out(expired)
+
+    def engine_stats(self, up: Upstream, stats: EngineStats) -> None:
+        """One good scrape of `up`'s engine, for its controller (through the queue)."""
+        self.queue.engine_stats(up, stats)
 
     def _pump(self, now: float) -> None:
-        """Dispatch what fits; answer at once the heads `pump` found past their deadline."""
-        self._wake(self.queue.pump(now))
+        self._woken(self.queue.pump(now))
+
+    def _woken(self, dispatched: list[Ticket]) -> None:
+        """Hand slots to the dispatched; answer at once the heads `pump` set aside."""
+        self._wake(dispatched)
         late = self.queue.take_late()
         if late:
             self._time_out(late)

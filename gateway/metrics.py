@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -234,6 +234,10 @@ class GatewayMetrics:
             "kneegate_request_ttft_seconds", "Arrival at the gateway to the first streamed "
             "event: the user's time to first token", ["class"], buckets=_TTFT_BUCKETS,
             registry=r)
+        self.ttft_objective = Gauge(
+            "kneegate_ttft_objective_seconds", "Each class's TTFT objective, seconds from "
+            "arrival (+Inf: none); alerts compare kneegate_request_ttft_seconds with it",
+            ["class"], registry=r)
         self.goodput_tokens = Counter(
             "kneegate_goodput_tokens", "Output tokens of requests whose first token met "
             "their objective (from arrival)", ["class"], registry=r)
@@ -282,6 +286,12 @@ class GatewayMetrics:
             self.registry.unregister(self._live)
         self._live = _LiveCollector(upstreams, queue_depths, clock, demand)
         self.registry.register(self._live)
+
+    def set_objectives(self, objectives: dict[str, float]) -> None:
+        """The classes' TTFT objectives (at start and at each reload: removed classes go)."""
+        self.ttft_objective.clear()
+        for cls, seconds in objectives.items():
+            self.ttft_objective.labels(cls).set(seconds)
 
     def count_client_rejection(self, reason: str) -> None:
         """One client refused before admission; `reason` is one of CLIENT_REJECTIONS."""

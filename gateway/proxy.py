@@ -361,9 +361,9 @@ class Proxy:
         # the ratio of finished prompts' token counts to them). Every upstream that may
         # serve the request hears of it as it arrives, queued or shed included (under
         # overload the queue delays admissions by seconds); the one it is dispatched to,
-        # again at admission. Admission weighs it against a controller's token budget.
+        # again at admission (the admission queue tells them). Admission weighs it against a
+        # controller's token budget.
         size = len(body) // 4
-        self.gate.arrival(self.pool.active, size)
         try:
             permit = await self.gate.acquire(cls, size, objective)
         except Rejection as exc:

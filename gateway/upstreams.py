@@ -81,6 +81,7 @@ _FROZEN_SCRAPES = 3  # failed scrapes in a row, with silent requests: frozen
 
 # (upstream name, outcome) -> counted; outcomes: ok, timeout, error, http_error, unparsable
 ScrapeCounter = Callable[[str, str], None]
+EngineFeed = Callable[["Upstream", EngineStats], None]  # a scrape, to the controller
 
 
 @dataclass(slots=True, eq=False)
@@ -111,7 +112,7 @@ class Upstream(UpstreamState):
 
     @property
     def knee_estimate(self) -> float | None:
-        knee = getattr(self.controller, "knee_estimate", None)
+        knee = self.controller.knee_estimate
         return None if knee is None else float(knee)
 
     def telemetry(self, now: float) -> Telemetry | None:
@@ -197,11 +198,16 @@ class UpstreamPool:
         *,
         clock: Clock = time.monotonic,
         count_scrape: ScrapeCounter | None = None,
+        feed_engine: EngineFeed | None = None,
     ) -> None:
         self.active: list[Upstream] = [_build(c) for c in configs]
         self.draining: list[Upstream] = []
         self.clock = clock
         self.count_scrape: ScrapeCounter = count_scrape or (lambda name, outcome: None)
+        # the admission queue's `engine_stats` (guarded, as every controller call); direct
+        # where the pool runs alone
+        self.feed_engine: EngineFeed = feed_engine or (
+            lambda up, stats: up.controller.on_engine_stats(stats))
 
     def all(self) -> list[Upstream]:
         self.draining = [u for u in self.draining if u.inflight > 0]
@@ -373,7 +379,7 @@ class UpstreamPool:
             return  # a reload turned scraping off while this scrape ran
         up.engine = stats
         up.progress.note(stats)
-        up.controller.on_engine_stats(stats)
+        self.feed_engine(up, stats)
         stalled = up.progress.stuck(now)
         if stalled != up.stalled:
             if stalled:

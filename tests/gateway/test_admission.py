@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from controllers.base import EngineStats, Outcome, Sample
 from controllers.fixed import Fixed, FixedConfig
 from controllers.registry import build_controller
 from gateway.admission import (
@@ -303,3 +306,90 @@ def test_a_standing_queue_answers_heads_over_target_instead_of_dispatching_them(
     assert q.take_late() == tickets[3:9]
     assert q.depth() == 2  # those that waited no more than the target stay
     assert q.pump(11.0) == [] and q.take_late() == []  # no longer standing
+
+
+# --- the controller's lifecycle: the queue makes every call (issue 13) -------------------
+
+
+class Recorder(Fixed):
+    """A fixed limit that writes down every call, with the slots in flight at that moment."""
+
+    def __init__(self, limit: int, up: list[UpstreamState]) -> None:
+        super().__init__(FixedConfig(initial=limit))
+        self.up = up
+        self.calls: list[tuple[object, ...]] = []
+        self.fail: set[str] = set()
+
+    def _note(self, *call: object) -> None:
+        self.calls.append((*call, self.up[0].inflight))
+        if call[0] in self.fail:
+            raise RuntimeError(f"broken {call[0]}")
+
+    def on_arrival(self, prompt_tokens: int) -> None:
+        self._note("on_arrival", prompt_tokens)
+
+    def on_admit(self, prompt_tokens: int) -> None:
+        self._note("on_admit", prompt_tokens)
+
+    def on_sample(self, sample: Sample) -> None:
+        self._note("on_sample", sample.outcome)
+
+    def on_tick(self, now: float, inflight: int) -> None:
+        self._note("on_tick", now)
+
+    def on_engine_stats(self, stats: EngineStats) -> None:
+        self._note("on_engine_stats", stats.running)
+
+
+def _recorded(limit: int = 1
+              ) -> tuple[AdmissionQueue, UpstreamState, Recorder, list[tuple[str, str, str]]]:
+    box: list[UpstreamState] = []
+    ctl = Recorder(limit, box)
+    up = UpstreamState("u0", ctl)
+    box.append(up)
+    errors: list[tuple[str, str, str]] = []
+    q = AdmissionQueue([up], CLASSES, max_queue=4,
+                       on_error=lambda u, hook, exc: errors.append((u.name, hook, str(exc))))
+    return q, up, ctl, errors
+
+
+def _sample(outcome: Outcome = Outcome.OK) -> Sample:
+    return Sample(admitted_at=0.0, duration=1.0, ttft=0.2, prompt_tokens=5, output_tokens=7,
+                  inflight_at_admit=1, outcome=outcome)
+
+
+def test_the_queue_makes_every_controller_call_in_its_order() -> None:
+    q, up, ctl, errors = _recorded()
+    first, second = Ticket("lo", 0.0, tokens=30), Ticket("lo", 0.5, tokens=40)
+    q.offer(first, 0.0)
+    q.offer(second, 0.5)
+    assert ctl.calls == [("on_arrival", 30, 0), ("on_admit", 30, 1),  # dispatched at once
+                         ("on_arrival", 40, 1)]  # queued: no admission yet
+    ctl.calls.clear()
+    assert q.release(up, 1.0, 30, _sample()) == [second]
+    # the slot is free before the sample is fed, and the next is admitted after it
+    assert ctl.calls == [("on_sample", Outcome.OK, 0), ("on_admit", 40, 1)]
+    assert q.engine_ttft == 0.2  # a first token: the engine's part of a predicted wait
+    ctl.calls.clear()
+    q.engine_stats(up, EngineStats(1.0, 3, 0, 0.1, 0, 100))
+    assert q.tick(1.5) == ([], [])
+    assert q.release(up, 2.0, 40, _sample(Outcome.CLIENT_CANCELLED)) == []
+    assert ctl.calls == [("on_engine_stats", 3, 1), ("on_tick", 1.5, 1)]  # a client's: none
+    assert errors == []
+
+
+def test_a_controller_that_raises_costs_its_update_never_a_slot() -> None:
+    q, up, ctl, errors = _recorded()
+    ctl.fail = {"on_arrival", "on_admit", "on_sample", "on_tick", "on_engine_stats"}
+    t = Ticket("lo", 0.0)
+    assert q.offer(t, 0.0) == Admitted(up)  # admitted, though both of its calls raised
+    q.offer(Ticket("lo", 0.1), 0.1)
+    assert len(q.release(up, 1.0, 0, _sample())) == 1  # freed and the next dispatched
+    q.tick(1.5)
+    q.engine_stats(up, EngineStats(1.0, 3, 0, 0.1, 0, 100))
+    assert [e[1] for e in errors] == ["on_arrival", "on_admit", "on_arrival", "on_sample",
+                                      "on_admit", "on_tick", "on_engine_stats"]
+    assert up.inflight == 1
+    q.on_error = None  # without a handler, a bug is not hidden
+    with pytest.raises(RuntimeError, match="broken on_tick"):
+        q.tick(2.0)

@@ -8,7 +8,7 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controllers.base import Outcome, Sample
+from controllers.base import EngineStats, Outcome, Sample
 from controllers.registry import build_controller
 from gateway.admission import AdmissionQueue, ClassPolicy
 from gateway.errors import QueueFull, QueueTimeout
@@ -216,8 +216,12 @@ async def test_a_controller_that_raises_keeps_no_slot() -> None:
     with anyio.fail_after(1):
         second = await waiting  # the freed slot reached the waiter
     gate.tick([up])  # on_tick raises: the tick goes on
+    gate.engine_stats(up, EngineStats(100.0, 1, 0, 0.1, 0))  # as the scraper feeds it
     second.finish(Outcome.OK, sample())
     assert up.inflight == 0
+    assert value(gate, "kneegate_controller_errors_total", upstream="e0", hook="on_arrival") == 2
+    assert value(gate, "kneegate_controller_errors_total", upstream="e0",
+                 hook="on_engine_stats") == 1
     assert value(gate, "kneegate_controller_errors_total", upstream="e0", hook="on_sample") == 2
     assert value(gate, "kneegate_controller_errors_total", upstream="e0", hook="on_admit") == 2
     assert value(gate, "kneegate_controller_errors_total", upstream="e0", hook="on_tick") == 1

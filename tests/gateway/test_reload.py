@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gw_helpers import FakeEngine, assert_conserved, scrape, serve, total
+from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 
 from gateway.app import KneegateApp, build_app
 from gateway.config import load_config
@@ -222,3 +222,16 @@ async def test_an_api_key_error_never_shows_the_key(
         for piece in _pieces("sk-new-key-778899"):  # no 4 characters of the key in a row
             assert piece not in message and piece not in caplog.text, piece
         await rig.still_serves(authorization=f"Bearer {KEY}")
+
+
+def test_the_classes_objectives_are_exported_and_follow_a_reload() -> None:
+    app = build_app(gw_config("http://127.0.0.1:9", classes={
+        "default": {}, "batch": {"ttft_objective": 60}}))
+    reg = app.gateway.metrics.registry
+
+    def objective(cls: str) -> float | None:
+        return reg.get_sample_value("kneegate_ttft_objective_seconds", {"class": cls})
+
+    assert (objective("default"), objective("batch")) == (2.0, 60.0)
+    app.gateway.apply(gw_config("http://127.0.0.1:9", classes={"default": {"ttft_objective": 1.5}}))
+    assert (objective("default"), objective("batch")) == (1.5, None)
