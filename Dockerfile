@@ -14,6 +14,7 @@ COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY controllers ./controllers
 COPY benchmarks ./benchmarks
+COPY kneegate ./kneegate
 RUN pip install . \
     && groupadd --system --gid 10001 kneegate \
     && useradd --system --uid 10001 --gid 10001 --no-create-home kneegate \

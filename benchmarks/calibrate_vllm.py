@@ -1,10 +1,11 @@
 """Calibration against a live vLLM: the real engine and an emulator profile, same load.
 
-    python -m benchmarks.calibrate_vllm --start        # start vLLM's CPU build (source checkout)
-    python -m benchmarks.calibrate_vllm --url http://127.0.0.1:8000   # a vLLM already running
-    python -m benchmarks.calibrate_vllm --replay benchmarks/data/vllm-cpu-avx2-2026-11-30.json
+    python -m kneegate.benchmarks.calibrate_vllm --start   # start vLLM's CPU build (a checkout)
+    python -m kneegate.benchmarks.calibrate_vllm --url http://127.0.0.1:8000   # a running vLLM
+    python -m kneegate.benchmarks.calibrate_vllm --replay \
+        benchmarks/data/vllm-cpu-avx2-2026-11-30.json
                                                        # a recorded run against the profile
-    python -m benchmarks.calibrate_vllm --fit run.json   # fit a profile's cost constants to
+    python -m kneegate.benchmarks.calibrate_vllm --fit run.json   # fit a profile's costs to
                                                          # the real curve of an earlier --out
 
 Load (both sides): prompts of 128 tokens sent as token ids, 64 output tokens, ignore_eos,
@@ -42,12 +43,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine.core import EngineCore
-from benchmarks.engine.profiles import load_profile
-from benchmarks.engine.virtual import LoopResult
-from benchmarks.engine.virtual import closed_loop as virtual_loop
-from benchmarks.loadgen import LoadConfig, LoadResult, closed_loop
-from benchmarks.sweep import Knee, find_knee
+from kneegate.benchmarks.engine.core import EngineCore
+from kneegate.benchmarks.engine.profiles import load_profile
+from kneegate.benchmarks.engine.virtual import LoopResult
+from kneegate.benchmarks.engine.virtual import closed_loop as virtual_loop
+from kneegate.benchmarks.loadgen import LoadConfig, LoadResult, closed_loop
+from kneegate.benchmarks.sweep import Knee, find_knee
 
 __all__ = [
     "CLIENT_GAP_S", "DEFAULT_PROFILE", "LEVELS", "CurveKnee", "RealPoint", "compare",
@@ -329,7 +330,7 @@ def fit_error(real: Sequence[RealPoint], profile: str, overrides: dict[str, floa
 
 def fit(real: Sequence[RealPoint], profile: str, rounds: int = 6) -> dict[str, float]:
     """Coordinate search: each key moves by a factor while that helps; the factor halves."""
-    from benchmarks.calibrate import FIT_KEYS
+    from kneegate.benchmarks.calibrate import FIT_KEYS
 
     cost = load_profile(profile).cost
     best = {k: float(getattr(cost, k)) or 1e-4 for k in FIT_KEYS}  # 0 would never move

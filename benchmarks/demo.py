@@ -24,7 +24,15 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.overload import Arm, Record, _measure_engine, _serving, parser, run_cell, summarize
+from kneegate.benchmarks.overload import (
+    Arm,
+    Record,
+    _measure_engine,
+    _serving,
+    parser,
+    run_cell,
+    summarize,
+)
 
 __all__ = ["run_demo"]
 

@@ -1,9 +1,9 @@
 """Load generator for OpenAI-compatible servers: closed loop, Poisson open loop, trace replay.
 
-    python -m benchmarks.loadgen --url http://127.0.0.1:8000 --concurrency 32 \
+    python -m kneegate.benchmarks.loadgen --url http://127.0.0.1:8000 --concurrency 32 \
         --max-seconds 30 --max-requests 10000 --out run.json
-    python -m benchmarks.loadgen --url ... --rate 20          # Poisson arrivals, 20 req/s
-    python -m benchmarks.loadgen --url ... --trace trace.jsonl  # lines {"t": s, "max_tokens": n}
+    python -m kneegate.benchmarks.loadgen --url ... --rate 20          # Poisson arrivals, 20 req/s
+    python -m kneegate.benchmarks.loadgen --url ... --trace trace.jsonl  # {"t": s, "max_tokens": n}
 
 Per request: TTFT (streaming only), TPOT = (e2e - ttft) / (tokens - 1), end-to-end time,
 output tokens, outcome ("ok", "http_<status>", "transport_error", "timeout", "cancelled" for

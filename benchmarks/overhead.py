@@ -5,8 +5,8 @@ programs pinned to one core; the proxy under test is pinned to the other (`tasks
 figure is the proxy's. Each cell runs every target back to back and reports ratios to direct;
 with `--repeat N` the medians of N rounds.
 
-    python -m benchmarks.overhead                      # the full matrix (~5 minutes)
-    python -m benchmarks.overhead --quick              # 256 realistic only
+    python -m kneegate.benchmarks.overhead                      # the full matrix (~5 minutes)
+    python -m kneegate.benchmarks.overhead --quick              # 256 realistic only
 
 Load shapes: `short` = 16 events, no delay; `realistic` = 64 events at 20 ms. The fixed limit is
 set far above the offered concurrency, so admission never queues: this measures the relay.
@@ -118,7 +118,7 @@ def _cpu_seconds(pid: int) -> float:
 def _upstream(shape: str) -> Iterator[int]:
     events, interval = SHAPES[shape]
     port = _free_port()
-    cmd = [*_pin(CLIENT_CORE), sys.executable, "-m", "benchmarks.rawhttp", "serve",
+    cmd = [*_pin(CLIENT_CORE), sys.executable, "-m", "kneegate.benchmarks.rawhttp", "serve",
            "--port", str(port), "--events", str(events), "--interval", str(interval)]
     with _process(cmd, port):
         yield port
@@ -128,7 +128,7 @@ def _upstream(shape: str) -> Iterator[int]:
 def _gateway(up_port: int, workers: int) -> Iterator[tuple[int, int]]:
     port = _free_port()
     cores = PROXY_CORES if workers == 1 else f"0-{(os.cpu_count() or 1) - 1}"
-    cmd = [*_pin(cores), sys.executable, "-m", "gateway", "serve",
+    cmd = [*_pin(cores), sys.executable, "-m", "kneegate", "serve",
            "--upstream", f"http://127.0.0.1:{up_port}", "--port", str(port),
            "--controller", "fixed", "--limit", "100000", "--workers", str(workers),
            "--no-access-log"]  # like nginx's `access_log off` below
@@ -182,7 +182,7 @@ def _cell(target: str, shape: str, conc: int, port: int, seconds: float,
     """
     events, interval = SHAPES[shape]
     stagger = 0.0 if lockstep else events * interval
-    cmd = [*_pin(CLIENT_CORE), sys.executable, "-m", "benchmarks.rawhttp", "load",
+    cmd = [*_pin(CLIENT_CORE), sys.executable, "-m", "kneegate.benchmarks.rawhttp", "load",
            "--url", f"http://127.0.0.1:{port}/v1/completions",
            "--concurrency", str(conc), "--seconds", str(seconds),
            "--warmup", f"{1 + 1.5 * stagger:g}", "--stagger", f"{stagger:g}"]
@@ -262,7 +262,7 @@ def print_table(cells: list[Cell]) -> list[dict[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kneegate.benchmarks.overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="short,realistic")
     p.add_argument("--concurrency", default="16,256,1024")

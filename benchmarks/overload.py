@@ -1,7 +1,7 @@
 """Wall-clock overload: open-loop Poisson arrivals past capacity, judged by the user's clock.
 
-    python -m benchmarks.overload                                  # every arm, 1.5x/3x/10x
-    python -m benchmarks.overload --loads 3 --seconds 10 --arms direct,kneegate   # a smoke run
+    python -m kneegate.benchmarks.overload                                  # every arm, 1.5x/3x/10x
+    python -m kneegate.benchmarks.overload --loads 3 --seconds 10 --arms direct,kneegate  # smoke
 
 One run, so the ratios are measured side by side. First the engine (`python -m
 benchmarks.engine --profile cpu-tiny`, its own process) is measured alone: closed loop,
@@ -18,7 +18,7 @@ Arms (`--arms`, comma-separated):
                   (`valve-N`): by default objective x the engine's prefill rate at saturation
                   (capacity x prompt tokens: the rate its waiting queue drains) x 0.25, 0.5
                   and 1, in whole prompts; `--valve-tokens 1280,2560` sets them; `valve-N` names one
-  kneegate        `python -m gateway serve --upstream URL` with no tuning flags
+  kneegate        `python -m kneegate serve --upstream URL` with no tuning flags
   kneegate-w2     the same with `--workers 2`
   kneegate-fixed  `--controller fixed --limit L`, L the operators' safe level: `--fixed-limit`,
                   or a short closed-loop sweep of the engine (`--sweep-levels`, the 5% rule and
@@ -68,9 +68,9 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.loadgen import LoadConfig, closed_loop
-from benchmarks.overhead import _free_port, _process
-from benchmarks.sweep import run_sweep
+from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
+from kneegate.benchmarks.overhead import _free_port, _process
+from kneegate.benchmarks.sweep import run_sweep
 
 __all__ = ["Arm", "Record", "main", "parse_arms", "run", "summarize", "valve_sizes"]
 
@@ -329,7 +329,7 @@ def _serving(arm: Arm, profile: str, upstream: str | None = None,
     well, an arm with engine flags (the valve) gets a vLLM of its own started with them."""
     if upstream is not None:
         if arm.engine_flags and start_vllm:
-            from benchmarks.calibrate_vllm import _started_vllm
+            from kneegate.benchmarks.calibrate_vllm import _started_vllm
 
             with _started_vllm(*arm.engine_flags) as own:
                 yield own
@@ -340,20 +340,20 @@ def _serving(arm: Arm, profile: str, upstream: str | None = None,
             yield upstream
             return
         gp = _free_port()
-        gateway = [sys.executable, "-m", "gateway", "serve", "--upstream", upstream,
+        gateway = [sys.executable, "-m", "kneegate", "serve", "--upstream", upstream,
                    "--port", str(gp), *arm.gateway_flags]
         with _child(gateway, f"http://127.0.0.1:{gp}/health"):
             yield f"http://127.0.0.1:{gp}"
         return
     ep = _free_port()
-    engine = [sys.executable, "-m", "benchmarks.engine", "--profile", profile,
+    engine = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", profile,
               "--port", str(ep), *arm.engine_flags]
     with _child(engine, ep):
         if arm.gateway_flags is None:
             yield f"http://127.0.0.1:{ep}"
             return
         gp = _free_port()
-        gateway = [sys.executable, "-m", "gateway", "serve", "--upstream",
+        gateway = [sys.executable, "-m", "kneegate", "serve", "--upstream",
                    f"http://127.0.0.1:{ep}", "--port", str(gp), *arm.gateway_flags]
         with _child(gateway, f"http://127.0.0.1:{gp}/health"):
             yield f"http://127.0.0.1:{gp}"
@@ -397,7 +397,7 @@ class Report:
 def run(args: argparse.Namespace) -> Report:
     """The whole benchmark: capacity first, then every (arm, load) cell; prints the table."""
     if args.start_vllm:  # one vLLM for the plain arms; each valve arm starts its own
-        from benchmarks.calibrate_vllm import _started_vllm
+        from kneegate.benchmarks.calibrate_vllm import _started_vllm
 
         with _started_vllm() as url:
             args.upstream, args.model = url, args.model or "tiny"
@@ -408,7 +408,7 @@ def run(args: argparse.Namespace) -> Report:
 def _run(args: argparse.Namespace) -> Report:
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     names = _arm_names(args.arms)
-    rep = Report(command=shlex.join(["python", "-m", "benchmarks.overload", *args.argv]))
+    rep = Report(command=shlex.join(["python", "-m", "kneegate.benchmarks.overload", *args.argv]))
     print(rep.command)
     n_valves = 0 if "valve" not in names else (
         len(args.valve_tokens.split(",")) if args.valve_tokens else 3)
@@ -450,7 +450,7 @@ def _run(args: argparse.Namespace) -> Report:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.overload", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kneegate.benchmarks.overload", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, see above")
     ap.add_argument("--loads", default="1.5,3,10", help="x the measured capacity")

@@ -5,8 +5,8 @@ protocol object per connection, no per-event allocation beyond the write) so tha
 measured in `benchmarks.overhead` is the proxy between them, not its peers. They speak
 only what the benchmark needs and are not general HTTP implementations.
 
-    python -m benchmarks.rawhttp serve --port 9000 --events 64 --interval 0.02
-    python -m benchmarks.rawhttp load --url http://127.0.0.1:9000/v1/completions \
+    python -m kneegate.benchmarks.rawhttp serve --port 9000 --events 64 --interval 0.02
+    python -m kneegate.benchmarks.rawhttp load --url http://127.0.0.1:9000/v1/completions \
         --concurrency 256 --seconds 10
 """
 
@@ -260,7 +260,7 @@ async def run_load(url: str, concurrency: int, seconds: float, warmup: float = 1
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.rawhttp")
+    p = argparse.ArgumentParser(prog="python -m kneegate.benchmarks.rawhttp")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
     s.add_argument("--host", default="127.0.0.1")

@@ -35,7 +35,7 @@ the settle time compares like with like (a limit fixed from t = 0 at the new seg
 would have run the old segment at the wrong level and enter the new one with a different
 backlog).
 
-    python -m benchmarks.simulate --scenario all --controllers knee,aimd,gradient \
+    python -m kneegate.benchmarks.simulate --scenario all --controllers knee,aimd,gradient \
         --seed 7 --out out/sim
 """
 
@@ -57,13 +57,20 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from benchmarks.engine.core import EngineCore, EngineRequest
-from benchmarks.engine.profiles import Profile, load_profile
-from benchmarks.engine.virtual import closed_loop
-from benchmarks.sweep import find_knee
-from controllers.base import EngineStats, LimitController, Outcome, Sample
-from controllers.registry import build_controller
-from gateway.admission import AdmissionQueue, Admitted, ClassPolicy, Queued, Ticket, UpstreamState
+from kneegate.benchmarks.engine.core import EngineCore, EngineRequest
+from kneegate.benchmarks.engine.profiles import Profile, load_profile
+from kneegate.benchmarks.engine.virtual import closed_loop
+from kneegate.benchmarks.sweep import find_knee
+from kneegate.controllers.base import EngineStats, LimitController, Outcome, Sample
+from kneegate.controllers.registry import build_controller
+from kneegate.gateway.admission import (
+    AdmissionQueue,
+    Admitted,
+    ClassPolicy,
+    Queued,
+    Ticket,
+    UpstreamState,
+)
 
 __all__ = [
     "WAIT_CAPS",
@@ -832,7 +839,7 @@ def simulate(sc: Scenario, controllers: list[str], seed: int, out: Path | None) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.simulate", description=__doc__.split("\n")[0]
+        prog="python -m kneegate.benchmarks.simulate", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--scenario", default="all", help=f"one of {scenario_names()} or 'all'")
     ap.add_argument("--controllers", default="knee,aimd,gradient")

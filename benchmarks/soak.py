@@ -1,6 +1,6 @@
 """Soak: sustained overload through a real gateway; memory, file descriptors, counting.
 
-    python -m benchmarks.soak --seconds 300          # ~5.5 minutes; exits 1 on a failure
+    python -m kneegate.benchmarks.soak --seconds 300          # ~5.5 minutes; exits 1 on a failure
     pytest -m slow tests/benchmarks/test_soak.py     # the same, 90 s
 
 The emulator (`cpu-tiny`) and `kneegate serve` run as their own processes on loopback. The
@@ -35,8 +35,8 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.loadgen import LoadConfig, closed_loop
-from benchmarks.overhead import _free_port, _process
+from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
+from kneegate.benchmarks.overhead import _free_port, _process
 
 __all__ = ["SoakResult", "main", "run_soak"]
 
@@ -237,9 +237,9 @@ def report(res: SoakResult) -> None:
 @contextlib.contextmanager
 def _processes(extra: list[str]) -> Iterator[tuple[str, str, int]]:
     ep, gp = _free_port(), _free_port()
-    engine_cmd = [sys.executable, "-m", "benchmarks.engine", "--profile", "cpu-tiny",
+    engine_cmd = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", "cpu-tiny",
                   "--port", str(ep)]
-    gw_cmd = [sys.executable, "-m", "gateway", "serve", "--upstream",
+    gw_cmd = [sys.executable, "-m", "kneegate", "serve", "--upstream",
               f"http://127.0.0.1:{ep}", "--port", str(gp), *extra]
     with _process(engine_cmd, ep), _process(gw_cmd, f"http://127.0.0.1:{gp}/health") as gw:
         yield f"http://127.0.0.1:{ep}", f"http://127.0.0.1:{gp}", gw.pid
@@ -253,7 +253,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kneegate.benchmarks.soak", description=__doc__)
     ap.add_argument("--seconds", type=float, default=300.0, help="length of the overload")
     ap.add_argument("--overload", type=float, default=10.0, help="x the engine's capacity")
     ap.add_argument("--hangup", type=float, default=0.05, help="streams hung up mid-way")

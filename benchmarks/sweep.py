@@ -114,7 +114,7 @@ async def run_sweep(
     print_rows: bool = True,
 ) -> tuple[list[SweepPoint], Knee]:
     """Closed-loop steps over `levels`; returns the points and the knee."""
-    from benchmarks.loadgen import LoadConfig, closed_loop
+    from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
 
     points: list[SweepPoint] = []
     if print_rows:

@@ -1,7 +1,7 @@
 """Pure concurrency-limit algorithms. No I/O, no clocks, no asyncio."""
 
-from controllers.aimd import Aimd, AimdConfig
-from controllers.base import (
+from kneegate.controllers.aimd import Aimd, AimdConfig
+from kneegate.controllers.base import (
     BaseControllerConfig,
     Controller,
     EngineStats,
@@ -10,10 +10,10 @@ from controllers.base import (
     Sample,
     is_distress,
 )
-from controllers.fixed import Fixed, FixedConfig
-from controllers.gradient import Gradient, GradientConfig
-from controllers.knee import Knee, KneeConfig
-from controllers.registry import CONTROLLERS, build_controller
+from kneegate.controllers.fixed import Fixed, FixedConfig
+from kneegate.controllers.gradient import Gradient, GradientConfig
+from kneegate.controllers.knee import Knee, KneeConfig
+from kneegate.controllers.registry import CONTROLLERS, build_controller
 
 __all__ = [
     "CONTROLLERS",

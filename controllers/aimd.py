@@ -35,7 +35,7 @@ import math
 
 from pydantic import Field
 
-from controllers.base import (
+from kneegate.controllers.base import (
     BaseControllerConfig,
     EngineStats,
     LimitController,

@@ -6,7 +6,7 @@ shape in the simulator (the best fixed limit, found by sweeping).
 
 from __future__ import annotations
 
-from controllers.base import BaseControllerConfig, LimitController
+from kneegate.controllers.base import BaseControllerConfig, LimitController
 
 __all__ = ["Fixed", "FixedConfig"]
 

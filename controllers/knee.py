@@ -199,8 +199,14 @@ from typing import Any
 
 from pydantic import Field
 
-from controllers.base import BaseControllerConfig, EngineStats, LimitController, Sample, is_distress
-from controllers.window import Summary, Window
+from kneegate.controllers.base import (
+    BaseControllerConfig,
+    EngineStats,
+    LimitController,
+    Sample,
+    is_distress,
+)
+from kneegate.controllers.window import Summary, Window
 
 __all__ = ["Knee", "KneeConfig", "Point"]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from controllers.aimd import Aimd, AimdConfig
-from controllers.base import BaseControllerConfig, LimitController
-from controllers.fixed import Fixed, FixedConfig
-from controllers.gradient import Gradient, GradientConfig
-from controllers.knee import Knee, KneeConfig
+from kneegate.controllers.aimd import Aimd, AimdConfig
+from kneegate.controllers.base import BaseControllerConfig, LimitController
+from kneegate.controllers.fixed import Fixed, FixedConfig
+from kneegate.controllers.gradient import Gradient, GradientConfig
+from kneegate.controllers.knee import Knee, KneeConfig
 
 __all__ = ["CONTROLLERS", "build_controller"]
 

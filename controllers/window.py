@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from controllers.base import EngineStats, Outcome, Sample
+from kneegate.controllers.base import EngineStats, Outcome, Sample
 
 __all__ = ["Summary", "Window", "quantile"]
 

@@ -25,11 +25,11 @@ import logging
 import re
 from typing import Any
 
-from controllers.base import Outcome
-from gateway.errors import HTTPError, Rejection
-from gateway.gate import Permit
-from gateway.tap import Tap
-from gateway.types import Clock
+from kneegate.controllers.base import Outcome
+from kneegate.gateway.errors import HTTPError, Rejection
+from kneegate.gateway.gate import Permit
+from kneegate.gateway.tap import Tap
+from kneegate.gateway.types import Clock
 
 __all__ = ["AccessLog"]
 

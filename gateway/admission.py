@@ -42,7 +42,7 @@ target (`queue_budget` of the objective less the engine's TTFT, the wait `offer`
 against) for `STANDING` (4) targets in a row is a standing queue, and while it stands a
 head over target is answered 503 instead of dispatched: CoDel's test (a minimum sojourn
 above target for an interval) with its drop replaced by an answer. Chosen over newest-first
-service by measurement (`python -m benchmarks.simulate --scenario NAME --controllers knee
+service by measurement (`python -m kneegate.benchmarks.simulate --scenario NAME --controllers knee
 --seed 7`, goodput / oracle, without the net -> CoDel -> newest-first): prompt-growth 1.50 ->
 1.60 -> 1.54 (TTFT p99 from arrival 4.3 -> 3.3 -> 3.6 s), steady-3x 1.02 -> 1.05 -> 1.07,
 four-gateways 0.82 -> 0.83 (p99 1.5 -> 0.5 s), capacity-drop 1.07 -> 1.07 -> 1.09, cpu-tiny-3x
@@ -76,8 +76,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from controllers.base import Controller, EngineStats, Outcome, Sample
-from gateway.demand import Demand
+from kneegate.controllers.base import Controller, EngineStats, Outcome, Sample
+from kneegate.gateway.demand import Demand
 
 __all__ = [
     "AdmissionQueue",

@@ -37,10 +37,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.admission import AdmissionQueue, ClassPolicy
-from gateway.config import GatewayConfig, parse_reload, read_config
-from gateway.demand import DemandEstimate
-from gateway.errors import (
+from kneegate.gateway.admission import AdmissionQueue, ClassPolicy
+from kneegate.gateway.config import GatewayConfig, parse_reload, read_config
+from kneegate.gateway.demand import DemandEstimate
+from kneegate.gateway.errors import (
     ConfigError,
     HTTPError,
     InvalidPath,
@@ -50,11 +50,11 @@ from gateway.errors import (
     render,
     send_error,
 )
-from gateway.gate import Gate
-from gateway.history import History
-from gateway.livepage import live_page_routes
-from gateway.metrics import GatewayMetrics
-from gateway.proxy import (
+from kneegate.gateway.gate import Gate
+from kneegate.gateway.history import History
+from kneegate.gateway.livepage import live_page_routes
+from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.proxy import (
     ALLOW,
     FORWARDED_METHODS,
     PROXIED_EXACT,
@@ -62,10 +62,10 @@ from gateway.proxy import (
     ProxySettings,
     proxied_path,
 )
-from gateway.types import Clock, Receive, Scope, Send
-from gateway.upstream_client import UpstreamClient
-from gateway.upstreams import UpstreamPool
-from gateway.watch import ConfigWatcher
+from kneegate.gateway.types import Clock, Receive, Scope, Send
+from kneegate.gateway.upstream_client import UpstreamClient
+from kneegate.gateway.upstreams import UpstreamPool
+from kneegate.gateway.watch import ConfigWatcher
 
 __all__ = ["Gateway", "KneegateApp", "build_app"]
 

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from controllers.registry import CONTROLLERS
-from gateway.errors import ConfigError
+from kneegate.controllers.registry import CONTROLLERS
+from kneegate.gateway.errors import ConfigError
 
 __all__ = [
     "ClassConfig",

@@ -38,7 +38,7 @@ import json
 from collections.abc import Sequence
 from typing import ClassVar
 
-from gateway.types import Send
+from kneegate.gateway.types import Send
 
 __all__ = [
     "BodyTooLarge",

@@ -19,8 +19,8 @@ import logging
 import math
 import time
 
-from controllers.base import EngineStats, Outcome, Sample
-from gateway.admission import (
+from kneegate.controllers.base import EngineStats, Outcome, Sample
+from kneegate.gateway.admission import (
     AdmissionQueue,
     Admitted,
     Queued,
@@ -29,7 +29,7 @@ from gateway.admission import (
     Ticket,
     UpstreamState,
 )
-from gateway.errors import (
+from kneegate.gateway.errors import (
     NoUpstream,
     OverObjective,
     QueueFull,
@@ -37,9 +37,9 @@ from gateway.errors import (
     Rejection,
     ShuttingDown,
 )
-from gateway.metrics import GatewayMetrics
-from gateway.types import Clock
-from gateway.upstreams import Upstream
+from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.types import Clock
+from kneegate.gateway.upstreams import Upstream
 
 __all__ = ["Gate", "Permit"]
 

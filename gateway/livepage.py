@@ -50,6 +50,6 @@ def _endpoint(body: bytes, media_type: str) -> Endpoint:
 
 def live_page_routes() -> list[BaseRoute]:
     """One route per file of the page, its bytes read now."""
-    static = files("gateway") / "static"
+    static = files("kneegate.gateway") / "static"
     return [Route(path, _endpoint(static.joinpath(name).read_bytes(), media))
             for path, (name, media) in _FILES.items()]

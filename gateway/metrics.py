@@ -47,10 +47,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from controllers.base import Outcome
-from gateway.demand import DemandEstimate
-from gateway.telemetry import Telemetry
-from gateway.types import Clock
+from kneegate.controllers.base import Outcome
+from kneegate.gateway.demand import DemandEstimate
+from kneegate.gateway.telemetry import Telemetry
+from kneegate.gateway.types import Clock
 
 __all__ = ["CLIENT_REJECTIONS", "FINISHED", "GatewayMetrics", "LiveUpstream"]
 

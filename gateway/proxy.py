@@ -44,10 +44,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from controllers.base import Outcome, Sample
-from gateway.access import AccessLog
-from gateway.config import GatewayConfig
-from gateway.errors import (
+from kneegate.controllers.base import Outcome, Sample
+from kneegate.gateway.access import AccessLog
+from kneegate.gateway.config import GatewayConfig
+from kneegate.gateway.errors import (
     BodyTooLarge,
     HTTPError,
     InvalidHeader,
@@ -58,13 +58,13 @@ from gateway.errors import (
     UpstreamTimeout,
     send_error,
 )
-from gateway.gate import Gate, Permit
-from gateway.tap import Tap
-from gateway.types import Clock, Receive, Scope, Send
-from gateway.upstream_client import UpstreamClient, UpstreamResponse, upstream_errors
-from gateway.upstreams import Upstream, UpstreamPool
-from gateway.wire import EXTENSION as WIRE_EXTENSION
-from gateway.wire import BodyWriter
+from kneegate.gateway.gate import Gate, Permit
+from kneegate.gateway.tap import Tap
+from kneegate.gateway.types import Clock, Receive, Scope, Send
+from kneegate.gateway.upstream_client import UpstreamClient, UpstreamResponse, upstream_errors
+from kneegate.gateway.upstreams import Upstream, UpstreamPool
+from kneegate.gateway.wire import EXTENSION as WIRE_EXTENSION
+from kneegate.gateway.wire import BodyWriter
 
 __all__ = [
     "ALLOW", "FORWARDED_METHODS", "Exchange", "Proxy", "ProxySettings", "normalise_path",

@@ -16,9 +16,10 @@ terminal's and the forwarded one — which uvicorn reads as "force quit" and cut
 stream at once). A second Ctrl-C still forces quit. The parent kills workers still alive
 10 s after the grace.
 
-The embedded engine: when the config names no upstream, `run` serves the emulator
-(`benchmarks.engine.server.build_app("cpu-tiny")`, imported here, lazily) on a loopback
-port — in this process and event loop with one worker, in one extra process with more,
+The embedded engine: when the config names no upstream, `run` serves the app its caller
+passes as `engine` (the CLI passes the emulator, `kneegate.embedded`: the gateway package
+never imports the load tools) on a loopback port — in this process and event loop with one
+worker, in one extra process with more,
 which ignores SIGHUP and SIGINT and is stopped by the parent after the workers — and
 `prepare` points an upstream called `embedded` at it.
 """
@@ -43,10 +44,10 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import KneegateApp, build_app
-from gateway.config import GatewayConfig, LimitsConfig, split_for_worker
-from gateway.logs import EMBEDDED
-from gateway.wire import ClientLimits, KneegateHttpProtocol, WireConfig
+from kneegate.gateway.app import KneegateApp, build_app
+from kneegate.gateway.config import GatewayConfig, LimitsConfig, split_for_worker
+from kneegate.gateway.logs import EMBEDDED
+from kneegate.gateway.wire import ClientLimits, KneegateHttpProtocol, WireConfig
 
 __all__ = [
     "GatewayServer", "QuietServer", "bind", "embedded_upstream", "run", "running", "serving",
@@ -56,6 +57,7 @@ __all__ = [
 log = logging.getLogger("kneegate")
 
 Prepare = Callable[[GatewayConfig], GatewayConfig]
+EngineApp = Callable[[], Any]  # builds the embedded engine's ASGI app (in its process)
 
 # uvicorn's own wait outlasts the grace by this much, so the gateway's cut (a clean abort,
 # counted) comes first and uvicorn's cancellation (a traceback per task) only catches
@@ -194,18 +196,11 @@ async def running(
             sock.close()
 
 
-def _emulator_app() -> Any:
-    # lazy: a production image never loads the benchmarks package
-    from benchmarks.engine.server import build_app as build_engine
-
-    return build_engine("cpu-tiny")
-
-
 def embedded_upstream(port: int) -> Callable[[GatewayConfig], GatewayConfig]:
     """`prepare` step: point a config without upstreams at the embedded emulator. It runs
     the default controller (`knee`) and is scraped from the start: it is known to serve
     vLLM's series, so there is nothing to detect."""
-    from gateway.config import UpstreamConfig
+    from kneegate.gateway.config import UpstreamConfig
 
     def fill(cfg: GatewayConfig) -> GatewayConfig:
         if cfg.upstreams:
@@ -235,11 +230,13 @@ def _watch_parent(server: uvicorn.Server, parent: int | None) -> asyncio.Task[No
 async def _serve_worker(
     sock: socket.socket, cfg: GatewayConfig, prepare: Prepare, config_path: str | None,
     engine_sock: socket.socket | None, parent: int | None = None,
+    engine_app: EngineApp | None = None,
 ) -> None:
     engine: uvicorn.Server | None = None
     engine_task = None
     if engine_sock is not None:
-        engine = QuietServer(uvicorn_config(_emulator_app()))
+        assert engine_app is not None, "an engine socket comes with its app"
+        engine = QuietServer(uvicorn_config(engine_app()))
         engine_task = asyncio.create_task(_embedded(engine.serve(sockets=[engine_sock])))
     app = build_app(prepare(cfg), config_path=config_path, prepare=prepare)
     server = GatewayServer(uvicorn_config(app, log_level="info"))
@@ -270,6 +267,7 @@ async def _embedded(serve: Awaitable[None]) -> None:
 def _worker_main(
     sock: socket.socket, cfg: GatewayConfig, prepare: Prepare, config_path: str | None,
     engine_sock: socket.socket | None, own_group: bool = False,
+    engine_app: EngineApp | None = None,
 ) -> None:
     import uvloop
 
@@ -277,10 +275,10 @@ def _worker_main(
     if own_group:  # signals come from the parent only (see the module docstring)
         os.setpgid(0, 0)
         parent = os.getppid()
-    uvloop.run(_serve_worker(sock, cfg, prepare, config_path, engine_sock, parent))
+    uvloop.run(_serve_worker(sock, cfg, prepare, config_path, engine_sock, parent, engine_app))
 
 
-def _engine_main(sock: socket.socket, inherited: socket.socket) -> None:
+def _engine_main(sock: socket.socket, inherited: socket.socket, engine_app: EngineApp) -> None:
     import uvloop
 
     inherited.close()  # the gateway's listener: only the workers accept on it
@@ -288,7 +286,7 @@ def _engine_main(sock: socket.socket, inherited: socket.socket) -> None:
     # the engine must outlive their drain. The parent stops it with SIGTERM afterwards.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    server = QuietServer(uvicorn_config(_emulator_app()))
+    server = QuietServer(uvicorn_config(engine_app()))
     parent = os.getppid()
     EMBEDDED.set(True)
 
@@ -303,9 +301,14 @@ def _engine_main(sock: socket.socket, inherited: socket.socket) -> None:
     uvloop.run(serve())
 
 
-def run(cfg: GatewayConfig, *, prepare: Prepare, config_path: str | None = None) -> int:
-    """Serve until SIGINT/SIGTERM. `prepare` turns a loaded file into this process's config."""
+def run(cfg: GatewayConfig, *, prepare: Prepare, config_path: str | None = None,
+        engine: EngineApp | None = None) -> int:
+    """Serve until SIGINT/SIGTERM. `prepare` turns a loaded file into this process's config;
+    `engine` builds the app served as the embedded upstream when the config names none
+    (without it, such a config is refused)."""
     workers = cfg.server.workers
+    if not prepare(cfg).upstreams and engine is None:
+        raise ValueError("the config names no upstream and no embedded engine was given")
     sock = bind(cfg.server.host, cfg.server.port)
     engine_sock = None
     if not prepare(cfg).upstreams:
@@ -320,9 +323,9 @@ def run(cfg: GatewayConfig, *, prepare: Prepare, config_path: str | None = None)
     log.warning("kneegate listening on http://%s:%d (%d worker%s)", host, port, workers,
                 "" if workers == 1 else "s")
     if workers == 1:
-        _worker_main(sock, cfg, prepare, config_path, engine_sock)
+        _worker_main(sock, cfg, prepare, config_path, engine_sock, engine_app=engine)
         return 0
-    return _supervise(sock, cfg, prepare, config_path, engine_sock, workers)
+    return _supervise(sock, cfg, prepare, config_path, engine_sock, workers, engine)
 
 
 def _then(first: Prepare, second: Prepare) -> Prepare:
@@ -335,12 +338,13 @@ def _share(index: int, count: int) -> Prepare:
 
 def _supervise(
     sock: socket.socket, cfg: GatewayConfig, prepare: Prepare, config_path: str | None,
-    engine_sock: socket.socket | None, workers: int,
+    engine_sock: socket.socket | None, workers: int, engine_app: EngineApp | None = None,
 ) -> int:
     ctx = multiprocessing.get_context("fork")
     engine = None
     if engine_sock is not None:
-        engine = ctx.Process(target=_engine_main, args=(engine_sock, sock), daemon=True)
+        engine = ctx.Process(target=_engine_main, args=(engine_sock, sock, engine_app),
+                             daemon=True)
         engine.start()
         engine_sock.close()  # forked before the workers, so they never hold the engine's port
     procs = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.types import Clock
+from kneegate.gateway.types import Clock
 
 __all__ = ["Tap"]
 

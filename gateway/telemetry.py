@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from controllers.base import EngineStats
+from kneegate.controllers.base import EngineStats
 
 __all__ = ["Progress", "Telemetry", "parse_engine_metrics"]
 

@@ -62,14 +62,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from controllers.base import EngineStats, LimitController
-from controllers.registry import build_controller
-from gateway.admission import UpstreamState
-from gateway.config import UpstreamConfig
-from gateway.errors import UpstreamError, UpstreamTimeout
-from gateway.telemetry import Progress, Telemetry, parse_engine_metrics
-from gateway.types import Clock
-from gateway.upstream_client import UpstreamClient
+from kneegate.controllers.base import EngineStats, LimitController
+from kneegate.controllers.registry import build_controller
+from kneegate.gateway.admission import UpstreamState
+from kneegate.gateway.config import UpstreamConfig
+from kneegate.gateway.errors import UpstreamError, UpstreamTimeout
+from kneegate.gateway.telemetry import Progress, Telemetry, parse_engine_metrics
+from kneegate.gateway.types import Clock
+from kneegate.gateway.upstream_client import UpstreamClient
 
 __all__ = ["Upstream", "UpstreamPool"]
 

@@ -68,8 +68,8 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from gateway.config import LimitsConfig
-from gateway.errors import (
+from kneegate.gateway.config import LimitsConfig
+from kneegate.gateway.errors import (
     HeadersTooLarge,
     HTTPError,
     RequestTimeout,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway import cli
+from kneegate import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -154,13 +154,13 @@ def test_the_checks_catch_what_they_mean_to(
         "# Top: the `x`'s part\n\n[a](missing.md) [b](#top-the-xs-part) [c](#nowhere) "
         "[d](https://example.com) `[e](gone.md)` `/kneegate/status` `kneegate\ncheck-config`\n\n"
         "```bash\n.venv/bin/kneegate serve --no-such-flag  # a comment\nkneegate frobnicate\n"
-        "kneegate demo --load 2 && python -m benchmarks.no_such_tool --x \\\n  --y\n"
+        "kneegate demo --load 2 && python -m kneegate.benchmarks.no_such_tool --x \\\n  --y\n"
         "python3 -m json.tool && python tests/no_such_script.py\n```\n\n"
-        "```yaml\n# not a heading\n```\n\n    python -m benchmarks.soak --seconds 1\n"
+        "```yaml\n# not a heading\n```\n\n    python -m kneegate.benchmarks.soak --seconds 1\n"
     )
     assert broken_links(doc) == ["missing.md: no such file", "#nowhere: no such heading"]
     assert missing_modules(doc) == [
-        "python -m benchmarks.no_such_tool", "python tests/no_such_script.py"
+        "python -m kneegate.benchmarks.no_such_tool", "python tests/no_such_script.py"
     ]
     assert wrong_commands(doc) == [
         "kneegate serve --no-such-flag: does not parse",

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.engine --profile NAME --port P` (also `kneegate engine ...`)."""
+"""`python -m kneegate.benchmarks.engine --profile NAME --port P` (also `kneegate engine ...`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import re
 from typing import TYPE_CHECKING
 
-from benchmarks.engine.profiles import list_profiles
+from kneegate.benchmarks.engine.profiles import list_profiles
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_app(args: argparse.Namespace) -> Starlette:
     """The emulator the parsed command line asks for."""
-    from benchmarks.engine.server import build_app
+    from kneegate.benchmarks.engine.server import build_app
 
     return build_app(
         args.profile,

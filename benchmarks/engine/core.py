@@ -38,8 +38,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from benchmarks.engine.cost import StepCost
-from benchmarks.engine.profiles import Profile
+from kneegate.benchmarks.engine.cost import StepCost
+from kneegate.benchmarks.engine.profiles import Profile
 
 __all__ = [
     "ADMISSION_REASONS",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.engine.profiles import Profile
+from kneegate.benchmarks.engine.profiles import Profile
 
 __all__ = ["StepCost"]
 

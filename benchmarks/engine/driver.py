@@ -14,8 +14,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from benchmarks.engine.core import EngineCore, EngineRequest, StepResult, TokenEvent
-from benchmarks.engine.metrics import EngineMetrics
+from kneegate.benchmarks.engine.core import EngineCore, EngineRequest, StepResult, TokenEvent
+from kneegate.benchmarks.engine.metrics import EngineMetrics
 
 __all__ = ["RealTimeDriver", "TokenQueue"]
 

@@ -39,11 +39,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from benchmarks.engine.core import EngineCore, EngineRequest, QueueFull
-from benchmarks.engine.driver import RealTimeDriver, TokenQueue
-from benchmarks.engine.metrics import EngineMetrics
-from benchmarks.engine.profiles import Profile, load_profile
-from benchmarks.engine.protocol import (
+from kneegate.benchmarks.engine.core import EngineCore, EngineRequest, QueueFull
+from kneegate.benchmarks.engine.driver import RealTimeDriver, TokenQueue
+from kneegate.benchmarks.engine.metrics import EngineMetrics
+from kneegate.benchmarks.engine.profiles import Profile, load_profile
+from kneegate.benchmarks.engine.protocol import (
     DONE,
     ApiError,
     ParsedRequest,

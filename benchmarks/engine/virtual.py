@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.engine.core import EngineCore, EngineRequest
+from kneegate.benchmarks.engine.core import EngineCore, EngineRequest
 
 __all__ = ["LoopResult", "closed_loop"]
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
-from benchmarks.engine.server import build_app
+from kneegate.benchmarks.engine.server import build_app
 
 
 @contextmanager

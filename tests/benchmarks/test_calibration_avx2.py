@@ -2,7 +2,8 @@
 
 A deterministic check of the profile's data (virtual time, no vLLM, about a second of CPU)
 against the real curves in benchmarks/data/: the run the profile was fitted to and a second
-run made after the fit; the load and timing are those of `python -m benchmarks.calibrate_vllm`.
+run made after the fit; the load and timing are those of
+`python -m kneegate.benchmarks.calibrate_vllm`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.calibrate_vllm import (
+from kneegate.benchmarks.calibrate_vllm import (
     LEVELS,
     TOLERANCE,
     RealPoint,
@@ -21,10 +22,10 @@ from benchmarks.calibrate_vllm import (
     knee_of,
     load_real,
 )
-from benchmarks.engine.cost import StepCost
-from benchmarks.engine.profiles import load_profile
-from benchmarks.engine.virtual import LoopResult
-from benchmarks.sweep import find_knee
+from kneegate.benchmarks.engine.cost import StepCost
+from kneegate.benchmarks.engine.profiles import load_profile
+from kneegate.benchmarks.engine.virtual import LoopResult
+from kneegate.benchmarks.sweep import find_knee
 
 Curves = tuple[list[RealPoint], list[LoopResult]]
 DATA = Path(__file__).parents[2] / "benchmarks" / "data"

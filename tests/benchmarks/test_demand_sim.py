@@ -17,7 +17,7 @@ import functools
 import math
 import statistics
 
-from benchmarks.simulate import Result, load_scenario, run
+from kneegate.benchmarks.simulate import Result, load_scenario, run
 
 
 @functools.cache

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from benchmarks.demo import run_demo
+from kneegate.benchmarks.demo import run_demo
 
 
 def test_the_demo_sends_one_overload_to_both_arms_and_prints_them_side_by_side(

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.engine.core import QUEUED_REQS, QUEUED_TOKENS, EngineCore, EngineRequest, QueueFull
-from benchmarks.engine.profiles import list_profiles, load_profile
+from kneegate.benchmarks.engine.core import (
+    QUEUED_REQS,
+    QUEUED_TOKENS,
+    EngineCore,
+    EngineRequest,
+    QueueFull,
+)
+from kneegate.benchmarks.engine.profiles import list_profiles, load_profile
 
 
 def core(**overrides) -> EngineCore:

@@ -9,10 +9,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.engine.__main__ import count, make_app, parse_args
-from benchmarks.engine.server import build_app
 from conftest import serve
-from gateway.telemetry import parse_engine_metrics
+from kneegate.benchmarks.engine.__main__ import count, make_app, parse_args
+from kneegate.benchmarks.engine.server import build_app
+from kneegate.gateway.telemetry import parse_engine_metrics
 
 
 def metric(url: str, name: str, **labels: str) -> float:

@@ -7,14 +7,14 @@ import json
 import time
 
 import pytest
-from conftest import serve
 
-from benchmarks.engine.core import EngineCore
-from benchmarks.engine.profiles import load_profile
-from benchmarks.engine.server import build_app
-from benchmarks.engine.virtual import closed_loop as virtual_closed_loop
-from benchmarks.loadgen import LoadConfig, closed_loop, open_loop, run_trace
-from benchmarks.sweep import SweepPoint, find_knee, main, parse_levels, regions
+from conftest import serve
+from kneegate.benchmarks.engine.core import EngineCore
+from kneegate.benchmarks.engine.profiles import load_profile
+from kneegate.benchmarks.engine.server import build_app
+from kneegate.benchmarks.engine.virtual import closed_loop as virtual_closed_loop
+from kneegate.benchmarks.loadgen import LoadConfig, closed_loop, open_loop, run_trace
+from kneegate.benchmarks.sweep import SweepPoint, find_knee, main, parse_levels, regions
 
 
 def test_knee_rule_on_the_reference_table() -> None:

@@ -1,4 +1,5 @@
-"""benchmarks.overload: the figures, the arms, the client's rules over real sockets; the whole
+"""kneegate.benchmarks.overload: the figures, the arms, the client's rules over real sockets;
+the whole
 benchmark in miniature is opt-in (`pytest -m slow`)."""
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.overload import Record, main, parse_arms, parser, run_cell, summarize, valve_sizes
+from kneegate.benchmarks.overload import (
+    Record,
+    main,
+    parse_arms,
+    parser,
+    run_cell,
+    summarize,
+    valve_sizes,
+)
 
 
 def test_summarize_judges_by_the_users_clock() -> None:

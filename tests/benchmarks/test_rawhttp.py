@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.rawhttp import run_load, serve
+from kneegate.benchmarks.rawhttp import run_load, serve
 
 pytestmark = pytest.mark.anyio
 

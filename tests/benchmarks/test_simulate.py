@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from benchmarks.engine.core import EngineCore
-from benchmarks.engine.profiles import Profile, load_profile
-from benchmarks.engine.virtual import closed_loop
-from benchmarks.simulate import (
+from kneegate.benchmarks.engine.core import EngineCore
+from kneegate.benchmarks.engine.profiles import Profile, load_profile
+from kneegate.benchmarks.engine.virtual import closed_loop
+from kneegate.benchmarks.simulate import (
     WAIT_CAPS,
     Oracle,
     engine_ttft,
@@ -23,7 +23,7 @@ from benchmarks.simulate import (
     true_knee,
     user_ttft,
 )
-from benchmarks.sweep import find_knee
+from kneegate.benchmarks.sweep import find_knee
 
 
 def test_every_scenario_file_loads() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.soak import parser, report, run_soak
+from kneegate.benchmarks.soak import parser, report, run_soak
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controllers import EngineStats, LimitController, Outcome, Sample
+from kneegate.controllers import EngineStats, LimitController, Outcome, Sample
 
 
 def make_sample(**overrides: Any) -> Sample:

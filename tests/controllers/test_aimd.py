@@ -4,7 +4,7 @@ import pytest
 from ctl_helpers import feed, make_sample, scrape
 from pydantic import ValidationError
 
-from controllers import Aimd, AimdConfig, Outcome
+from kneegate.controllers import Aimd, AimdConfig, Outcome
 
 
 def make(**cfg: object) -> Aimd:

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-import controllers
-from controllers import CONTROLLERS, BaseControllerConfig, LimitController
+from kneegate import controllers
+from kneegate.controllers import CONTROLLERS, BaseControllerConfig, LimitController
 
 
 def _isort_key(name: str) -> tuple[int, str]:
@@ -14,7 +14,8 @@ def test_all_is_sorted_and_complete() -> None:
         n
         for n, v in vars(controllers).items()
         if not n.startswith("_")
-        and getattr(v, "__module__", "controllers").startswith("controllers")
+        and getattr(v, "__module__", "kneegate.controllers").startswith(
+            "kneegate.controllers")
         and not isinstance(v, type(controllers))
     }
     assert controllers.__all__ == sorted(controllers.__all__, key=_isort_key)

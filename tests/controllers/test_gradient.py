@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from ctl_helpers import scrape, window
 
-from controllers import Gradient, GradientConfig, Outcome
+from kneegate.controllers import Gradient, GradientConfig, Outcome
 
 
 def make(**cfg: object) -> Gradient:

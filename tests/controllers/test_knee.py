@@ -6,7 +6,7 @@ from collections.abc import Callable
 import pytest
 from ctl_helpers import scrape, window
 
-from controllers import Knee, KneeConfig, Outcome
+from kneegate.controllers import Knee, KneeConfig, Outcome
 
 
 def make(**cfg: object) -> Knee:

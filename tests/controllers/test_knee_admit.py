@@ -7,7 +7,14 @@ import random
 import pytest
 from ctl_helpers import make_sample, window
 
-from controllers import CONTROLLERS, Controller, EngineStats, Knee, KneeConfig, build_controller
+from kneegate.controllers import (
+    CONTROLLERS,
+    Controller,
+    EngineStats,
+    Knee,
+    KneeConfig,
+    build_controller,
+)
 
 
 def settled(initial: int = 40) -> Knee:

@@ -7,7 +7,7 @@ import json
 import pytest
 from ctl_helpers import scrape, window
 
-from controllers import Knee, KneeConfig
+from kneegate.controllers import Knee, KneeConfig
 
 
 def make(**cfg: object) -> Knee:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ctl_helpers import make_sample, scrape, window
 
-from controllers import Knee, KneeConfig
+from kneegate.controllers import Knee, KneeConfig
 
 
 def settled(initial: int = 40) -> Knee:

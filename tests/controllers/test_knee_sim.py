@@ -7,7 +7,7 @@ objective and queue budget).
 
 from __future__ import annotations
 
-from benchmarks.simulate import goodput, load_scenario, oracle, run, settle_time
+from kneegate.benchmarks.simulate import goodput, load_scenario, oracle, run, settle_time
 
 
 def test_back_within_ten_percent_of_the_new_oracle_after_a_capacity_halving() -> None:

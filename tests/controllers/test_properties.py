@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controllers import CONTROLLERS, EngineStats, LimitController, Outcome, Sample, build_controller
+from kneegate.controllers import (
+    CONTROLLERS,
+    EngineStats,
+    LimitController,
+    Outcome,
+    Sample,
+    build_controller,
+)
 
 
 @dataclass(frozen=True)

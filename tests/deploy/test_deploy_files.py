@@ -22,7 +22,7 @@ from deploy_exprs import (
 )
 from prometheus_client import CollectorRegistry
 
-from gateway.metrics import GatewayMetrics
+from kneegate.gateway.metrics import GatewayMetrics
 
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
 

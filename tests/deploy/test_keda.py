@@ -23,8 +23,8 @@ from deploy_exprs import metric_names
 from kubernetes_validate import utils as kv
 from prometheus_client import CollectorRegistry
 
-from gateway.config import ScaleConfig
-from gateway.metrics import GatewayMetrics
+from kneegate.gateway.config import ScaleConfig
+from kneegate.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 KEDA = ROOT / "deploy" / "kubernetes" / "keda" / "scaledobject.yaml"

@@ -24,10 +24,10 @@ import referencing
 import yaml
 from kubernetes_validate import utils as kv
 
-from gateway.app import build_app
-from gateway.cli import main as kneegate
-from gateway.config import GatewayConfig, load_config
-from gateway.server import CUT_MARGIN
+from kneegate.cli import main as kneegate
+from kneegate.gateway.app import build_app
+from kneegate.gateway.config import GatewayConfig, load_config
+from kneegate.gateway.server import CUT_MARGIN
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"

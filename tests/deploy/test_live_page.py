@@ -1,7 +1,8 @@
 """The live page in a real browser (issue 14): opt-in, `pytest -m browser tests/deploy`.
 
-The emulator (`python -m benchmarks.engine --profile cpu-tiny`, at a quarter of real time so
-the event rate stays low on a small machine) behind the gateway (`python -m gateway serve`,
+The emulator (`python -m kneegate.benchmarks.engine --profile cpu-tiny`, at a quarter of real
+time so
+the event rate stays low on a small machine) behind the gateway (`python -m kneegate serve`,
 the `knee` controller, an admin token), under a closed loop of clients bounded in requests
 and in time that honour Retry-After. Headless Chromium (Debian's `chromium` and
 `chromium-driver`, driven by selenium) opens `/kneegate/`; the test waits until the knee
@@ -32,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.overload import _child, _free_port
+from kneegate.benchmarks.overload import _child, _free_port
 
 pytestmark = pytest.mark.browser
 
@@ -150,9 +151,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     ep, gp = _free_port(), _free_port()
     cfg = tmp_path_factory.mktemp("live") / "kneegate.yaml"
     cfg.write_text(CONFIG.format(token=TOKEN, port=ep))
-    engine = [sys.executable, "-m", "benchmarks.engine", "--profile", "cpu-tiny",
+    engine = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", "cpu-tiny",
               "--speed", "0.25", "--port", str(ep)]
-    gateway = [sys.executable, "-m", "gateway", "serve", "--config", str(cfg),
+    gateway = [sys.executable, "-m", "kneegate", "serve", "--config", str(cfg),
                "--port", str(gp)]
     with _child(engine, ep), _child(gateway, f"http://127.0.0.1:{gp}/health"):
         load = Load(f"http://127.0.0.1:{gp}")

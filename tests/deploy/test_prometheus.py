@@ -6,7 +6,8 @@ Debian's `prometheus` package carries both (`apt-get install prometheus`; its se
 used: the test starts the binary itself). Without them the tier skips.
 
 One Prometheus (temporary config and storage, loopback, 1 s scrapes and rule evaluations,
-the rules loaded) scrapes the emulator (`python -m benchmarks.engine --profile cpu-tiny`) and
+the rules loaded) scrapes the emulator (`python -m kneegate.benchmarks.engine --profile
+cpu-tiny`) and
 a gateway in front of it, configured small (a limit of at most 6, a queue of 12, tight
 objectives) while a bounded load of streamed requests from two classes overruns it: queueing,
 sheds, queue timeouts, goodput and misses all happen. Then one refused config reload and one
@@ -43,7 +44,7 @@ from deploy_exprs import (
     variable_metrics,
 )
 
-from benchmarks.overhead import _free_port
+from kneegate.benchmarks.overhead import _free_port
 
 pytestmark = [
     pytest.mark.prometheus,
@@ -195,10 +196,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prom_cmd = ["prometheus", f"--config.file={prom_config}", f"--storage.tsdb.path={tmp / 'data'}",
                 f"--web.listen-address=127.0.0.1:{pp}"]
     with (
-        _process([sys.executable, "-m", "benchmarks.engine", "--profile", "cpu-tiny",
+        _process([sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", "cpu-tiny",
                   "--port", str(ep)], tmp / "engine.log", f"http://127.0.0.1:{ep}/health"),
-        _process([sys.executable, "-m", "gateway", "serve", "--config", str(config)],
-                 tmp / "gateway.log", gateway + "/ready"),
+        _process([sys.executable, "-m", "kneegate", "serve", "--config", str(config)],
+                 tmp / "kneegate.gateway.log", gateway + "/ready"),
         _process(prom_cmd, tmp / "prometheus.log", prom_url + "/-/ready"),
         httpx.Client(base_url=prom_url, timeout=10) as prom,
     ):

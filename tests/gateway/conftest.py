@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from gateway import wire
-from gateway.wire import KneegateHttpProtocol
+from kneegate.gateway import wire
+from kneegate.gateway.wire import KneegateHttpProtocol
 
 WARNING = "relaying through ASGI send instead"
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import GatewayConfig, parse_config
-from gateway.server import serving as serve  # noqa: F401 - the tests' name for it
+from kneegate.gateway.config import GatewayConfig, parse_config
+from kneegate.gateway.server import serving as serve  # noqa: F401 - the tests' name for it
 
 
 def gw_config(upstream: str | None = None, **overrides: Any) -> GatewayConfig:

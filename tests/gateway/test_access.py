@@ -9,8 +9,8 @@ import pytest
 from gw_helpers import FakeEngine, assert_conserved
 from test_proxy import _rig
 
-from gateway.config import load_config
-from gateway.proxy import ProxySettings
+from kneegate.gateway.config import load_config
+from kneegate.gateway.proxy import ProxySettings
 
 pytestmark = pytest.mark.anyio
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from controllers.base import EngineStats, Outcome, Sample
-from controllers.fixed import Fixed, FixedConfig
-from controllers.registry import build_controller
-from gateway.admission import (
+from kneegate.controllers.base import EngineStats, Outcome, Sample
+from kneegate.controllers.fixed import Fixed, FixedConfig
+from kneegate.controllers.registry import build_controller
+from kneegate.gateway.admission import (
     AdmissionQueue,
     Admitted,
     ClassPolicy,

@@ -32,7 +32,7 @@ def free_port() -> int:
 def kneegate(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
     # `with` closes the output pipe; the gateway writes a few log lines, far below its buffer
-    with subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port),
+    with subprocess.Popen([sys.executable, "-m", "kneegate", "serve", "--port", str(port),
                            *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         try:
             yield proc, f"http://127.0.0.1:{port}"
@@ -119,7 +119,7 @@ async def test_two_workers_split_a_fixed_limit() -> None:
 
 
 async def test_serve_without_upstream_embeds_the_emulator() -> None:
-    pytest.importorskip("benchmarks.engine.server")
+    pytest.importorskip("kneegate.benchmarks.engine.server")
     async with httpx.AsyncClient(timeout=10) as client:
         with kneegate() as (proc, url):
             await until_up(client, url, proc)
@@ -133,22 +133,27 @@ async def test_serve_without_upstream_embeds_the_emulator() -> None:
 
 
 def test_python_dash_m_gateway_is_the_cli() -> None:
-    out = subprocess.run([sys.executable, "-m", "gateway", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kneegate", "--help"], capture_output=True,
                          text=True, check=True, env={**os.environ})
     assert "check-config" in out.stdout and "demo" in out.stdout
 
 
-def test_gateway_never_loads_benchmarks_by_itself() -> None:
-    code = ("import sys, gateway.app, gateway.cli, gateway.server; "
-            "print(sorted(m for m in sys.modules if m.startswith('benchmarks')))")
+def test_the_gateway_floor_never_loads_the_load_tools() -> None:
+    # every module of kneegate.gateway and the CLI, and what they import
+    code = ("import importlib, pkgutil, sys, kneegate.gateway, kneegate.cli; "
+            "[importlib.import_module(m.name) for m in "
+            "pkgutil.walk_packages(kneegate.gateway.__path__, 'kneegate.gateway.')]; "
+            "print(sorted(m for m in sys.modules if m.startswith('kneegate.benchmarks')), "
+            "sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('gateway', 'controllers', 'benchmarks')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "[] []"  # nor any module under a second, bare name
 
 
 @pytest.mark.parametrize("tool", ["engine", "sweep", "simulate"])
 def test_benchmark_tools_are_reached_lazily(tool: str) -> None:
     pytest.importorskip(f"benchmarks.{'engine.server' if tool == 'engine' else tool}")
-    out = subprocess.run([sys.executable, "-m", "gateway", tool, "--help"],
+    out = subprocess.run([sys.executable, "-m", "kneegate", tool, "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "usage:" in out.stdout

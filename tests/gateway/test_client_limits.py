@@ -24,9 +24,9 @@ from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, t
 from prometheus_client import generate_latest
 from uvicorn.server import ServerState
 
-from gateway.app import KneegateApp, build_app
-from gateway.config import LimitsConfig
-from gateway.wire import ClientLimits, KneegateHttpProtocol, WireConfig
+from kneegate.gateway.app import KneegateApp, build_app
+from kneegate.gateway.config import LimitsConfig
+from kneegate.gateway.wire import ClientLimits, KneegateHttpProtocol, WireConfig
 
 pytestmark = pytest.mark.anyio
 

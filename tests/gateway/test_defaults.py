@@ -16,13 +16,13 @@ import httpx
 import pytest
 from gw_helpers import FakeEngine, assert_conserved, scrape, serve, total
 
-from controllers.knee import KneeConfig
-from gateway.app import KneegateApp, build_app
-from gateway.cli import _parser, apply_flags
-from gateway.config import GatewayConfig, parse_config, split_for_worker
-from gateway.errors import ConfigError
-from gateway.server import embedded_upstream
-from gateway.upstreams import UpstreamPool
+from kneegate.cli import _parser, apply_flags
+from kneegate.controllers.knee import KneeConfig
+from kneegate.gateway.app import KneegateApp, build_app
+from kneegate.gateway.config import GatewayConfig, parse_config, split_for_worker
+from kneegate.gateway.errors import ConfigError
+from kneegate.gateway.server import embedded_upstream
+from kneegate.gateway.upstreams import UpstreamPool
 
 pytestmark = pytest.mark.anyio
 
@@ -140,7 +140,7 @@ def test_scrape_unset_is_detected_true_forces_false_turns_off() -> None:
 
 
 async def test_the_emulators_vllm_metrics_are_detected_and_scraped() -> None:
-    engine_server = pytest.importorskip("benchmarks.engine.server")
+    engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
     async with serve(engine_server.build_app("cpu-tiny")) as up:
         cfg = parse_config({**FAST, "upstreams": [
             {"name": "e0", "url": up, "scrape_interval": 0.05}]})

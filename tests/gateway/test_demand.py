@@ -9,11 +9,18 @@ import pytest
 from gw_helpers import gw_config
 from prometheus_client import CollectorRegistry
 
-from controllers.registry import build_controller
-from gateway.admission import AdmissionQueue, Admitted, ClassPolicy, Rejected, Ticket, UpstreamState
-from gateway.app import Gateway
-from gateway.demand import Demand, DemandEstimate, suggested_replicas
-from gateway.metrics import GatewayMetrics
+from kneegate.controllers.registry import build_controller
+from kneegate.gateway.admission import (
+    AdmissionQueue,
+    Admitted,
+    ClassPolicy,
+    Rejected,
+    Ticket,
+    UpstreamState,
+)
+from kneegate.gateway.app import Gateway
+from kneegate.gateway.demand import Demand, DemandEstimate, suggested_replicas
+from kneegate.gateway.metrics import GatewayMetrics
 
 LN2 = math.log(2.0)
 

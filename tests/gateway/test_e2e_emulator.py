@@ -14,11 +14,11 @@ import openai
 import pytest
 from gw_helpers import gw_config, scrape, serve, total
 
-from gateway.app import KneegateApp, build_app
+from kneegate.gateway.app import KneegateApp, build_app
 
 pytestmark = pytest.mark.anyio
 
-engine_server = pytest.importorskip("benchmarks.engine.server")
+engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
 
 
 @contextlib.asynccontextmanager

@@ -26,11 +26,11 @@ import httpx
 import pytest
 from gw_helpers import gw_config, scrape, serve, total
 
-from gateway.app import build_app
+from kneegate.gateway.app import build_app
 
 pytestmark = pytest.mark.anyio
 
-engine_server = pytest.importorskip("benchmarks.engine.server")
+engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
 
 CLIENTS = 24
 MAX_REQUESTS = 4000  # the loop's request cap; its time cap is the test's fail_after

@@ -19,13 +19,13 @@ import pytest
 from gw_helpers import answer_lifespan, gw_config, scrape, serve, total
 from prometheus_client import CollectorRegistry
 
-from controllers.base import EngineStats
-from controllers.knee import Knee
-from gateway.app import Gateway, KneegateApp, build_app
-from gateway.config import parse_config
-from gateway.errors import ConfigError
-from gateway.metrics import GatewayMetrics
-from gateway.upstreams import Upstream, UpstreamPool
+from kneegate.controllers.base import EngineStats
+from kneegate.controllers.knee import Knee
+from kneegate.gateway.app import Gateway, KneegateApp, build_app
+from kneegate.gateway.config import parse_config
+from kneegate.gateway.errors import ConfigError
+from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.upstreams import Upstream, UpstreamPool
 
 
 class FakeClock:

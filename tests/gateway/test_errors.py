@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.errors import BodyTooLarge, QueueFull, QueueTimeout, UpstreamTimeout, render
+from kneegate.gateway.errors import BodyTooLarge, QueueFull, QueueTimeout, UpstreamTimeout, render
 
 
 def test_rejection_carries_retry_after_and_reason() -> None:

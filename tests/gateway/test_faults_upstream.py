@@ -21,9 +21,9 @@ import pytest
 from faulty_upstream import FaultyUpstream, faulty_upstream
 from gw_helpers import assert_conserved, gw_config, scrape, serve, total
 
-from controllers.base import Sample
-from gateway.app import KneegateApp, build_app
-from gateway.config import GatewayConfig
+from kneegate.controllers.base import Sample
+from kneegate.gateway.app import KneegateApp, build_app
+from kneegate.gateway.config import GatewayConfig
 
 pytestmark = pytest.mark.anyio
 

@@ -8,13 +8,13 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controllers.base import EngineStats, Outcome, Sample
-from controllers.registry import build_controller
-from gateway.admission import AdmissionQueue, ClassPolicy
-from gateway.errors import QueueFull, QueueTimeout
-from gateway.gate import Gate, Permit
-from gateway.metrics import GatewayMetrics
-from gateway.upstreams import Upstream
+from kneegate.controllers.base import EngineStats, Outcome, Sample
+from kneegate.controllers.registry import build_controller
+from kneegate.gateway.admission import AdmissionQueue, ClassPolicy
+from kneegate.gateway.errors import QueueFull, QueueTimeout
+from kneegate.gateway.gate import Gate, Permit
+from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.upstreams import Upstream
 
 pytestmark = pytest.mark.anyio
 

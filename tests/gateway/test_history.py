@@ -20,10 +20,10 @@ from gw_helpers import FakeEngine, assert_conserved
 from prometheus_client import CollectorRegistry
 from test_proxy import _rig
 
-from controllers.base import EngineStats
-from gateway.history import History, quantile
-from gateway.metrics import GatewayMetrics
-from gateway.telemetry import Telemetry
+from kneegate.controllers.base import EngineStats
+from kneegate.gateway.history import History, quantile
+from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.telemetry import Telemetry
 
 pytestmark = pytest.mark.anyio
 

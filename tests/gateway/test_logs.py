@@ -23,9 +23,9 @@ import httpx
 import pytest
 from gw_helpers import FakeEngine, gw_config, serve
 
-from gateway.access import AccessLog
-from gateway.app import build_app
-from gateway.logs import JsonFormatter
+from kneegate.gateway.access import AccessLog
+from kneegate.gateway.app import build_app
+from kneegate.gateway.logs import JsonFormatter
 
 KEY = "sk-very-secret-key-0042"
 PROMPT = "the user's private prompt text"
@@ -186,7 +186,7 @@ class Lines:
 def test_serve_logs_json_once_per_line_and_no_secret(tmp_path: Path) -> None:
     # no upstream: the embedded emulator, whose uvicorn logs through the same loggers
     with subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--port", "0", "--log-format", "json"],
+        [sys.executable, "-m", "kneegate", "serve", "--port", "0", "--log-format", "json"],
         cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
     ) as proc:
         out = Lines(proc)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from gw_helpers import FakeEngine, gw_config, serve
 
-from gateway.app import build_app
+from kneegate.gateway.app import build_app
 
 pytestmark = pytest.mark.anyio
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 
-from gateway.app import KneegateApp, build_app
-from gateway.config import GatewayConfig
+from kneegate.gateway.app import KneegateApp, build_app
+from kneegate.gateway.config import GatewayConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -336,7 +336,7 @@ async def test_reload_under_load_drops_nothing(tmp_path: Path) -> None:
     path = tmp_path / "kneegate.yaml"
     async with serve(engine) as up:
         _write(path, up, 2)
-        from gateway.config import load_config
+        from kneegate.gateway.config import load_config
 
         app = build_app(load_config(path), config_path=str(path))
         async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:

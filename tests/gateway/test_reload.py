@@ -14,9 +14,9 @@ import httpx
 import pytest
 from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 
-from gateway.app import KneegateApp, build_app
-from gateway.config import load_config
-from gateway.server import embedded_upstream
+from kneegate.gateway.app import KneegateApp, build_app
+from kneegate.gateway.config import load_config
+from kneegate.gateway.server import embedded_upstream
 
 pytestmark = pytest.mark.anyio
 

@@ -23,8 +23,8 @@ from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, t
 from prometheus_client import generate_latest
 from test_cli import free_port, until_up
 
-from gateway.app import KneegateApp, build_app
-from gateway.server import QuietServer, running, uvicorn_config
+from kneegate.gateway.app import KneegateApp, build_app
+from kneegate.gateway.server import QuietServer, running, uvicorn_config
 
 pytestmark = pytest.mark.anyio
 
@@ -150,7 +150,7 @@ def kneegate(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """The gateway in a session of its own: a signal to its group is what a terminal's
     Ctrl-C does, and never reaches pytest."""
     port = free_port()
-    with subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port),
+    with subprocess.Popen([sys.executable, "-m", "kneegate", "serve", "--port", str(port),
                            *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True) as proc:
         try:
@@ -190,7 +190,7 @@ async def test_ctrl_c_drains_every_worker() -> None:
 
 
 async def test_sighup_keeps_the_embedded_engine_with_workers() -> None:
-    pytest.importorskip("benchmarks.engine.server")
+    pytest.importorskip("kneegate.benchmarks.engine.server")
     req = {"model": "cpu-tiny", "prompt": "hi", "max_tokens": 2}
     async with httpx.AsyncClient(timeout=5) as client:
         with kneegate("--workers", "2") as (proc, url):

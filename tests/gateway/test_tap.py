@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.tap import Tap
+from kneegate.gateway.tap import Tap
 
 
 class Clock:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import math
 
-from controllers.base import EngineStats
-from gateway.telemetry import Progress, parse_engine_metrics
+from kneegate.controllers.base import EngineStats
+from kneegate.gateway.telemetry import Progress, parse_engine_metrics
 
 CURRENT = """\
 # TYPE vllm:num_requests_running gauge

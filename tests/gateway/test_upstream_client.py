@@ -11,13 +11,13 @@ import anyio
 import pytest
 from faulty_upstream import blackhole
 
-from gateway.errors import (
+from kneegate.gateway.errors import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.upstream_client import UpstreamClient
+from kneegate.gateway.upstream_client import UpstreamClient
 
 pytestmark = pytest.mark.anyio
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from gw_helpers import FakeEngine, scrape, serve, total
 
-from gateway.app import KneegateApp, build_app
-from gateway.config import load_config
-from gateway.watch import ConfigWatcher, identify
+from kneegate.gateway.app import KneegateApp, build_app
+from kneegate.gateway.config import load_config
+from kneegate.gateway.watch import ConfigWatcher, identify
 
 POLL = 0.02
 

@@ -22,9 +22,9 @@ import pytest
 from gw_helpers import FakeEngine, answer_lifespan, gw_config, serve
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from gateway.app import build_app
-from gateway.upstream_client import UpstreamClient
-from gateway.wire import BodyWriter, KneegateHttpProtocol, probe
+from kneegate.gateway.app import build_app
+from kneegate.gateway.upstream_client import UpstreamClient
+from kneegate.gateway.wire import BodyWriter, KneegateHttpProtocol, probe
 
 pytestmark = pytest.mark.anyio
 

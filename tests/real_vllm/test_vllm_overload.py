@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from vllm_server import VllmServer
 
-from benchmarks.overload import parser, run
+from kneegate.benchmarks.overload import parser, run
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
 

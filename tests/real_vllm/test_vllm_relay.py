@@ -19,7 +19,7 @@ import pytest
 from gw_helpers import gw_config, scrape, serve, total
 from vllm_server import VllmServer
 
-from gateway.app import build_app
+from kneegate.gateway.app import build_app
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.anyio]
 

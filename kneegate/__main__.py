@@ -1,10 +1,10 @@
-"""`python -m gateway` is `kneegate`."""
+"""`python -m kneegate` is `kneegate`."""
 
 from __future__ import annotations
 
 import sys
 
-from gateway.cli import main
+from kneegate.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,9 +22,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.config import GatewayConfig, load_config, parse_config
-from gateway.errors import ConfigError
-from gateway.logs import configure as configure_logging
+from kneegate.gateway.config import GatewayConfig, load_config, parse_config
+from kneegate.gateway.errors import ConfigError
+from kneegate.gateway.logs import configure as configure_logging
 
 __all__ = ["apply_flags", "main"]
 
@@ -84,11 +84,13 @@ def _load(args: argparse.Namespace) -> GatewayConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.server import run
+    from kneegate.embedded import emulator_app
+    from kneegate.gateway.server import run
 
     cfg = _load(args)
     configure_logging(cfg.server.log_format)
-    return run(cfg, prepare=lambda c: apply_flags(c, args), config_path=args.config)
+    return run(cfg, prepare=lambda c: apply_flags(c, args), config_path=args.config,
+               engine=emulator_app)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -100,7 +102,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from benchmarks.demo import run_demo  # the load tools and the emulator: asked for only
+    from kneegate.benchmarks.demo import run_demo  # the load tools and the emulator: asked for only
 
     configure_logging("text")
     return int(run_demo(load=args.load, seconds=args.seconds, profile=args.profile))
@@ -117,9 +119,9 @@ def _lazy(module: str, func: str = "main") -> Callable[[list[str]], int]:
 
 
 PASSTHROUGH = {
-    "engine": _lazy("benchmarks.engine.__main__"),
-    "sweep": _lazy("benchmarks.sweep"),
-    "simulate": _lazy("benchmarks.simulate"),
+    "engine": _lazy("kneegate.benchmarks.engine.__main__"),
+    "sweep": _lazy("kneegate.benchmarks.sweep"),
+    "simulate": _lazy("kneegate.benchmarks.simulate"),
 }
 
 
