@@ -76,6 +76,7 @@ __all__ = [
     "WAIT_CAPS",
     "Result",
     "Scenario",
+    "demand_ratio",
     "engine_ttft",
     "load_scenario",
     "run",
@@ -217,6 +218,7 @@ class Result:
     limits: list[int] = field(default_factory=list)  # summed over gateways
     inflight: list[int] = field(default_factory=list)
     knee: list[float] = field(default_factory=list)
+    demand: list[float] = field(default_factory=list)  # offered / capacity, NaN before known
 
 
 def _arrivals(sc: Scenario, rate_unit: float, seed: int) -> list[tuple[float, str, int, int]]:
@@ -427,6 +429,7 @@ class _Sim:
         res.limits.append(sum(u.controller.limit for u in self.ups))
         res.inflight.append(sum(u.inflight for u in self.ups))
         res.knee.append(knee / len(self.ups))
+        res.demand.append(demand_ratio(self.queues, now))
 
     def _events(self, events: Sequence[Any], now: float) -> None:
         for ev in events:
@@ -447,6 +450,18 @@ class _Sim:
             if now < self.sc.duration:  # draining: what was queued stays undispatched
                 for ticket in admitted:
                     self._dispatch(ticket, now)
+
+
+def demand_ratio(queues: Sequence[AdmissionQueue], now: float) -> float:
+    """The gateways' demand ratio as a pool (summed offered over summed capacity, as the
+    ScaledObject's query reads it), NaN while any gateway has no estimate yet."""
+    offered = capacity = 0.0
+    for q in queues:
+        e = q.demand.estimate(now, [u.controller.limit for u in q.upstreams if u.usable], 1.0)
+        if e is None:
+            return math.nan
+        offered, capacity = offered + e.offered, capacity + e.capacity
+    return offered / capacity
 
 
 def run(

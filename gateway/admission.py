@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kneegate.controllers.base import Controller, EngineStats, Outcome, Sample
+from kneegate.gateway.demand import Demand
 
 __all__ = [
     "AdmissionQueue",
@@ -239,6 +240,7 @@ class AdmissionQueue:
     # the safety net: per class, when its head last waited no more than its target
     _short_at: dict[str, float] = field(default_factory=dict, init=False)
     STANDING = 4.0  # targets' worth of time with every head over target: a standing queue
+    demand: Demand = field(default_factory=Demand, init=False)  # the scale-out signal's sums
 
     def __post_init__(self) -> None:
         self.reconfigure(self.classes, self.max_queue, self.upstreams)
@@ -299,6 +301,7 @@ class AdmissionQueue:
         cls = ticket.cls
         if cls not in self.classes:
             raise KeyError(f"unknown priority class {cls!r}")
+        self.demand.arrive(now)  # offered load: counted whatever is decided below
         # every upstream that may serve it hears of it as it arrives, queued or shed: under
         # overload the queue delays admissions by seconds
         for u in self.upstreams:
@@ -404,6 +407,7 @@ class AdmissionQueue:
     def note_completion(self, now: float) -> None:
         """A request finished on an engine: the completion rate's evidence."""
         self._completions.note(now)
+        self.demand.complete(now, sum(u.inflight for u in self.upstreams))
 
     def pump(self, now: float) -> list[Ticket]:
         """Dispatch queued tickets while some upstream has room. A head past its objective
@@ -592,3 +596,4 @@ class AdmissionQueue:
         ticket.dispatched_at = now
         ticket.inflight_at_admit = up.inflight
         self._call(up, "on_admit", ticket.tokens)
+        self.demand.occupy(now, sum(u.inflight for u in self.upstreams))

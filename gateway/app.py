@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from kneegate.gateway.admission import AdmissionQueue, ClassPolicy
 from kneegate.gateway.config import GatewayConfig, parse_reload, read_config
+from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.errors import (
     ConfigError,
     HTTPError,
@@ -107,6 +108,7 @@ class Gateway:
             list(self.pool.active), _policies(config), config.max_queue,
             config.retry_after_min, config.retry_after_max,
         )
+        self.queue.demand.half_life = config.scale.half_life
         self.gate = Gate(self.queue, self.metrics, clock)
         self.pool.feed_engine = self.gate.engine_stats
         self.metrics.set_objectives({n: c.ttft_objective for n, c in config.classes.items()})
@@ -115,7 +117,7 @@ class Gateway:
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
                            clock)
         self.proxy.access.enabled = config.server.access_log
-        self.metrics.bind_live(self.pool.all, self._depths, clock)
+        self.metrics.bind_live(self.pool.all, self._depths, clock, self.demand)
         self.history = History(self.pool.all, self._depths, self.metrics)
         self._ticker: asyncio.Task[None] | None = None
         self.watcher = ConfigWatcher(config_path) if config_path is not None else None
@@ -127,6 +129,11 @@ class Gateway:
 
     def _depths(self) -> list[tuple[str, int]]:
         return [(name, self.gate.depth(name)) for name in self.config.classes]
+
+    def demand(self, now: float) -> DemandEstimate | None:
+        """The scale-out signal at `now`: offered load against the usable upstreams' limits."""
+        limits = [u.controller.limit for u in self.queue.upstreams if u.usable]
+        return self.queue.demand.estimate(now, limits, self.config.scale.target)
 
     async def start(self) -> None:
         await self.client.start()
@@ -217,6 +224,7 @@ class Gateway:
         self.metrics.set_objectives({n: c.ttft_objective for n, c in new.classes.items()})
         self.queue.retry_after_min = new.retry_after_min
         self.queue.retry_after_max = new.retry_after_max
+        self.queue.demand.half_life = new.scale.half_life
         self.client.set_connect_timeout(new.timeouts.connect)
         self.proxy.settings = ProxySettings.from_config(new)
         self.config = new
@@ -260,13 +268,16 @@ class Gateway:
 
     def status(self) -> dict[str, Any]:
         """Each upstream (its controller's state: limit, knee estimate, learned curve; its
-        engine's scraped figures), the queue and the completion rate."""
+        engine's scraped figures), the queue, the completion rate and the demand (null
+        until known: gateway/demand.py)."""
         now = self.clock()
+        demand = self.demand(now)
         return {
             "upstreams": [u.status(now) for u in self.pool.all()],
             "queue": {name: self.gate.depth(name) for name in self.config.classes},
             "queue_total": self.queue.depth(),
             "completion_rate": round(self.queue.completion_rate, 3),
+            "demand": None if demand is None else demand.as_dict(),
         }
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "ClassConfig",
     "GatewayConfig",
     "LimitsConfig",
+    "ScaleConfig",
     "ServerConfig",
     "TimeoutConfig",
     "UpstreamConfig",
@@ -243,6 +244,18 @@ class ServerConfig(_Frozen):
         "text", description="text lines, or one JSON object per line (every record)")
 
 
+class ScaleConfig(_Frozen):
+    """The scale-out signal: kneegate_demand_ratio and kneegate_suggested_replicas
+    (gateway/demand.py). Reloadable."""
+
+    target: float = Field(
+        0.9, gt=0, le=1, description="utilisation of the engines' knee capacity that "
+        "kneegate_suggested_replicas aims at")
+    half_life: float = Field(
+        15.0, gt=0, le=3600, description="seconds: offered load and capacity are averaged "
+        "with this half-life")
+
+
 class GatewayConfig(_Frozen):
     """The whole file."""
 
@@ -266,6 +279,7 @@ class GatewayConfig(_Frozen):
     admin_token: str | None = Field(
         None, min_length=1, description="bearer token for /kneegate/status and /kneegate/reload")
     server: ServerConfig = Field(default_factory=ServerConfig)
+    scale: ScaleConfig = Field(default_factory=ScaleConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:
@@ -287,7 +301,7 @@ class GatewayConfig(_Frozen):
 
 
 _FIELD_NAMES = sorted({name for m in (GatewayConfig, UpstreamConfig, ClassConfig, TimeoutConfig,
-                                       ServerConfig) for name in m.model_fields})
+                                       ServerConfig, ScaleConfig) for name in m.model_fields})
 
 
 def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:

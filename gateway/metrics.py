@@ -22,6 +22,14 @@ and `kneegate_engine_stale` (1 when there are no figures younger than `stale_aft
 `kneegate_upstream_stalled` (running requests, no new tokens). Scrapes are counted by outcome
 in `kneegate_engine_scrapes_total`.
 
+The scale-out signal of the pool of upstreams (gateway/demand.py), read at scrape time too:
+`kneegate_demand_ratio` (offered load over what the usable upstreams serve at their
+limits), `kneegate_suggested_replicas` (ceil(usable upstreams x ratio / scale.target)), and
+the two rates the ratio is made of, `kneegate_demand_offered_requests_per_second` and
+`kneegate_demand_capacity_requests_per_second`, so that several gateways in front of the
+same engines add up as one pool: sum(offered) / sum(capacity). All four are absent until
+the gateway has seen `warm` completions, and while no upstream is usable.
+
 Clients refused before their request reaches admission (its head too large or too slow, its
 body too large or too slow, one connection too many: see gateway/wire.py and the proxy's
 413) are counted in `kneegate_client_rejections_total{reason}`, outside the identities above:
@@ -40,6 +48,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kneegate.controllers.base import Outcome
+from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.telemetry import Telemetry
 from kneegate.gateway.types import Clock
 
@@ -119,14 +128,36 @@ def _add_engine(fams: dict[str, GaugeMetricFamily], name: str, t: Telemetry) -> 
             fams["kv"].add_metric([name], t.stats.kv_cache_usage)
 
 
+def _demand_families(e: DemandEstimate | None) -> Iterator[Metric]:
+    """The scale-out signal (gateway/demand.py): absent, not zero, until it is known, so an
+    autoscaler holds rather than scales in on a gateway that has measured nothing yet."""
+    gauges = (
+        ("kneegate_demand_ratio", "Offered load over what the usable upstreams serve at "
+         "their limits (~1 just full, 3 at three times that, < 1 room)", "ratio"),
+        ("kneegate_suggested_replicas", "Engines needed at the current demand: "
+         "ceil(usable upstreams x demand ratio / scale.target)", "suggested_replicas"),
+        ("kneegate_demand_offered_requests_per_second", "Requests offered per second, "
+         "refused ones included", "offered"),
+        ("kneegate_demand_capacity_requests_per_second", "Requests per second the usable "
+         "upstreams serve at their limits", "capacity"),
+    )
+    for name, doc, attr in gauges:
+        fam = GaugeMetricFamily(name, doc)
+        if e is not None:
+            fam.add_metric([], float(getattr(e, attr)))
+        yield fam
+
+
 class _LiveCollector(Collector):
     def __init__(
         self,
         upstreams: Callable[[], Iterable[LiveUpstream]],
         queue_depths: Callable[[], Iterable[tuple[str, int]]],
         clock: Clock,
+        demand: Callable[[float], DemandEstimate | None] | None = None,
     ) -> None:
         self._upstreams, self._depths, self._clock = upstreams, queue_depths, clock
+        self._demand = demand
 
     def collect(self) -> Iterator[Metric]:
         ups = list(self._upstreams())
@@ -160,6 +191,7 @@ class _LiveCollector(Collector):
         for cls, n in self._depths():
             depth.add_metric([cls], n)
         yield depth
+        yield from _demand_families(None if self._demand is None else self._demand(now))
 
 
 class GatewayMetrics:
@@ -246,12 +278,13 @@ class GatewayMetrics:
         upstreams: Callable[[], Iterable[LiveUpstream]],
         queue_depths: Callable[[], Sequence[tuple[str, int]]],
         clock: Clock = time.monotonic,
+        demand: Callable[[float], DemandEstimate | None] | None = None,
     ) -> None:
-        """Register the scrape-time reader of limit, in-flight, queue depth, knee and the
-        engine figures (aged on `clock`)."""
+        """Register the scrape-time reader of limit, in-flight, queue depth, knee, the
+        engine figures (aged on `clock`) and the pool's `demand` at that time."""
         if self._live is not None:
             self.registry.unregister(self._live)
-        self._live = _LiveCollector(upstreams, queue_depths, clock)
+        self._live = _LiveCollector(upstreams, queue_depths, clock, demand)
         self.registry.register(self._live)
 
     def set_objectives(self, objectives: dict[str, float]) -> None:

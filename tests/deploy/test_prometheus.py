@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -286,3 +287,18 @@ def test_rules_evaluate_on_live_data(stack: Stack) -> None:
     rule = next(r for r in alert_rules() if r["alert"] == "KneegateRejectionRatioHigh")
     ratio = stack.query(alert_signal(rule["expr"])[0])
     assert float(ratio[0]["value"][1]) > 0.1, ratio
+
+
+def test_the_keda_query_reads_the_overload(stack: Stack) -> None:
+    """The ScaledObject's query (deploy/kubernetes/keda/scaledobject.yaml), its Kubernetes
+    labels swapped for this Prometheus's job, returns one number, over 1 after an overload;
+    the gateway's own suggested count agrees that one engine is not enough."""
+    keda = yaml.safe_load((RULES.parents[1] / "kubernetes" / "keda" / "scaledobject.yaml")
+                          .read_text())
+    query = keda["spec"]["triggers"][0]["metadata"]["query"]
+    query = re.sub(r"\{[^}]*\}", '{job="kneegate"}', query)
+    (result,) = stack.query(query)
+    assert float(result["value"][1]) > 1.0, (query, result)
+    (suggested,) = stack.query('kneegate_suggested_replicas{job="kneegate"}')
+    assert float(suggested["value"][1]) >= 2, suggested
+    print(f"demand ratio {result['value'][1]}, suggested replicas {suggested['value'][1]}")
