@@ -12,7 +12,7 @@ from kneegate.controllers.knee import Knee, KneeConfig
 
 __all__ = ["CONTROLLERS", "build_controller"]
 
-# name -> (config model, controller class). Each algorithm module registers itself here.
+# name -> (config model, controller class): a new algorithm is added here by hand.
 CONTROLLERS: dict[str, tuple[type[BaseControllerConfig], type[LimitController]]] = {
     "aimd": (AimdConfig, Aimd),
     "fixed": (FixedConfig, Fixed),

@@ -82,7 +82,7 @@ class Permit:
         if self._done:
             return False
         self._done = True
-        self._gate._finish(self, outcome, sample)
+        self._gate.finish(self, outcome, sample)
         return True
 
 
@@ -124,7 +124,7 @@ class Gate:
         if isinstance(decision, Admitted):
             return self._admit(ticket)
         if isinstance(decision, Rejected):
-            self.metrics.shed.labels(cls, decision.reason.value).inc()
+            m.child(m.shed, cls, decision.reason.value).inc()
             raise rejection(decision)
         assert isinstance(decision, Queued)
         return await self._wait(ticket)
@@ -152,10 +152,10 @@ class Gate:
             self._handed(ticket)
             up = self._upstream(ticket)
             self.queue.free(up, ticket.tokens)
-            self.metrics.shed.labels(ticket.cls, "client_gone").inc()
+            self.metrics.child(self.metrics.shed, ticket.cls, "client_gone").inc()
             self._pump(self.clock())
         elif self.queue.withdraw(ticket):
-            self.metrics.shed.labels(ticket.cls, "client_gone").inc()
+            self.metrics.child(self.metrics.shed, ticket.cls, "client_gone").inc()
 
     def _handed(self, ticket: Ticket) -> None:
         self.handing[ticket.cls] -= 1
@@ -186,7 +186,8 @@ class Gate:
             if not fut.done():
                 fut.set_result(None)
 
-    def _finish(self, permit: Permit, outcome: Outcome, sample: Sample | None) -> None:
+    def finish(self, permit: Permit, outcome: Outcome, sample: Sample | None) -> None:
+        """`permit`'s request ended in `outcome` (call `Permit.finish`: it ends once)."""
         # the queue frees the slot first, then feeds the controller (guarded), then
         # dispatches: a controller that raises cannot keep the slot
         up, t = permit.upstream, permit.ticket
@@ -289,7 +290,7 @@ class Gate:
 
     def _time_out(self, tickets: list[Ticket]) -> None:
         for t in tickets:
-            self.metrics.queue_timeout.labels(t.cls).inc()
+            self.metrics.child(self.metrics.queue_timeout, t.cls).inc()
             fut: asyncio.Future[Rejected | None] = t.payload
             if not fut.done():
                 fut.set_result(self.queue.timeout_rejection(t))
@@ -299,7 +300,7 @@ class Gate:
         and every later one. Returns how many were queued."""
         tickets = self.queue.close()
         for t in tickets:
-            self.metrics.shed.labels(t.cls, RejectReason.SHUTTING_DOWN.value).inc()
+            self.metrics.child(self.metrics.shed, t.cls, RejectReason.SHUTTING_DOWN.value).inc()
             fut: asyncio.Future[Rejected | None] = t.payload
             # a done future: its waiter was cancelled, and its _abandon finds nothing to
             # withdraw, so this count is the only one

@@ -38,7 +38,7 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "running": ("vllm:num_requests_running",),
     "waiting": ("vllm:num_requests_waiting",),
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    "preemptions_total": ("vllm:num_preemptions", "vllm:num_preemptions_total"),
+    "preemptions_total": ("vllm:num_preemptions",),
     "generation_tokens_total": ("vllm:generation_tokens",),
 }
 # prometheus_client's parser strips `_total` from counter family names, so the counters above
@@ -115,10 +115,6 @@ class Progress:
         self._last_tokens = tokens
         self._last = stats
 
-    @property
-    def last(self) -> EngineStats | None:
-        """The last scrape noted, fresh or not."""
-        return self._last
 
     def view(self, now: float, stalled: bool) -> Telemetry:
         """What the status page and /metrics show for this engine at `now`."""
@@ -132,11 +128,6 @@ class Progress:
             return False
         return self._last.running > 0 and now - self._advanced_at >= self.stall_after
 
-    def fresh(self, now: float) -> EngineStats | None:
-        """The last scrape, or None when there is none or it is stale."""
-        if self._last is None or now - self._last.at > self.stale_after:
-            return None
-        return self._last
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,10 +84,10 @@ def test_an_idle_engine_is_never_stuck() -> None:
 
 def test_stale_scrapes_are_not_evidence() -> None:
     p = Progress(stale_after=5.0)
-    assert p.fresh(0.0) is None
+    assert p.view(0.0, False).stale  # nothing scraped yet
     p.note(stats(10.0, running=1, tokens=1))
-    assert p.fresh(14.0) is not None
-    assert p.fresh(15.1) is None
+    assert not p.view(14.0, False).stale
+    assert p.view(15.1, False).stale
 
 
 def test_untyped_counters_are_read_and_empty_counters_are_unknown() -> None:
