@@ -50,18 +50,18 @@ from kneegate.gateway.errors import (
     render,
     send_error,
 )
+from kneegate.gateway.forwarding import (
+    ALLOW,
+    FORWARDED_METHODS,
+    PROXIED_EXACT,
+    ProxySettings,
+    proxied_path,
+)
 from kneegate.gateway.gate import Gate
 from kneegate.gateway.history import History
 from kneegate.gateway.livepage import live_page_routes
 from kneegate.gateway.metrics import GatewayMetrics
-from kneegate.gateway.proxy import (
-    ALLOW,
-    FORWARDED_METHODS,
-    PROXIED_EXACT,
-    Proxy,
-    ProxySettings,
-    proxied_path,
-)
+from kneegate.gateway.proxy import Proxy
 from kneegate.gateway.types import Clock, Receive, Scope, Send
 from kneegate.gateway.upstream_client import UpstreamClient
 from kneegate.gateway.upstreams import UpstreamPool

@@ -1,10 +1,10 @@
 """The hot path: admit, forward, relay chunk by chunk, release.
 
 One request, in order:
-1. build the forwarded headers (hop-by-hop dropped, X-Forwarded-For added, X-Request-Id
-   kept or made), read the body (413 past `max_body_bytes`, and the connection closed: at
-   once when Content-Length says so, before reading any of it), pick its class (API key,
-   else header, else the default);
+1. build the forwarded headers (gateway/forwarding.py: hop-by-hop dropped,
+   X-Forwarded-For added, X-Request-Id kept or made), read the body (413 past
+   `max_body_bytes`, and the connection closed: at once when Content-Length says so,
+   before reading any of it), pick its class (API key, else header, else the default);
 2. `gate.acquire(class)`: a permit, or a Rejection answered as 429/503 with Retry-After;
 3. open the upstream request and relay every chunk as it arrives, through the `Tap` (no
    StreamingResponse, no re-encoding): written from the upstream socket's callback when the
@@ -28,35 +28,38 @@ client leaves), the sweeper the tick runs, which enforces the first-byte and idl
 deadlines by comparing chunk counters — no timer per chunk — and `cut`, when the shutdown
 grace is over.
 
-What is forwarded: `proxied_path` decides from the raw request path, normalised first
-when it could hide a dot segment (RFC 3986), so the allow-list judges the path the engine
-will route; `FORWARDED_METHODS` are the methods the OpenAI API uses.
+What is forwarded, and how (paths, methods, headers, the valve's refusal): gateway/forwarding.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import os
-import re
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 from kneegate.controllers.base import Outcome, Sample
 from kneegate.gateway.access import AccessLog
-from kneegate.gateway.config import GatewayConfig
 from kneegate.gateway.errors import (
     BodyTooLarge,
     HTTPError,
     InvalidHeader,
-    InvalidPath,
     Rejection,
     ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
     send_error,
+)
+from kneegate.gateway.forwarding import (
+    RESPONSE_DROP,
+    VALVE,
+    ProxySettings,
+    ReadResponse,
+    forward_headers,
+    forward_target,
+    is_sse,
+    parse_objective,
+    small_body,
 )
 from kneegate.gateway.gate import Gate, Permit
 from kneegate.gateway.tap import Tap
@@ -66,63 +69,11 @@ from kneegate.gateway.upstreams import Upstream, UpstreamPool
 from kneegate.gateway.wire import EXTENSION as WIRE_EXTENSION
 from kneegate.gateway.wire import BodyWriter
 
-__all__ = [
-    "ALLOW", "FORWARDED_METHODS", "Exchange", "Proxy", "ProxySettings", "normalise_path",
-    "proxied_path",
-]
-
-# The methods of the OpenAI API, and what a proxy forwards for them (HEAD, OPTIONS).
-# CONNECT, TRACE, PUT, PATCH, ... get 405: never a tunnel, never an echo.
-FORWARDED_METHODS = frozenset({"GET", "POST", "DELETE", "HEAD", "OPTIONS"})
-ALLOW = b"GET, POST, DELETE, HEAD, OPTIONS"
-PROXIED_EXACT = frozenset({b"/tokenize", b"/detokenize", b"/version"})
-_DOT = re.compile(rb"%2[eE]")
+__all__ = ["Exchange", "Proxy"]
 
 log = logging.getLogger("kneegate")
 
-# RFC 9110 §7.6.1 connection-specific fields, plus what the client library recomputes.
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"proxy-connection",
-    b"host", b"content-length", b"expect",
-})
-_RESPONSE_DROP = HOP_BY_HOP - {b"content-length"}
 _END = {"type": "http.response.body", "body": b"", "more_body": False}
-
-
-@dataclass(frozen=True, slots=True)
-class ProxySettings:
-    """What the hot path reads, prepared once per config (load or reload)."""
-
-    max_body: int
-    class_header: bytes
-    classes: dict[bytes, str]  # only those a request may pick by header (`header: true`)
-    api_keys: dict[bytes, str]
-    default_class: str
-    first_byte: float
-    idle: float
-
-    @classmethod
-    def from_config(cls, cfg: GatewayConfig) -> ProxySettings:
-        return cls(
-            max_body=cfg.max_body_bytes,
-            class_header=cfg.class_header.lower().encode("latin-1"),
-            classes={name.encode(): name for name, c in cfg.classes.items() if c.header},
-            api_keys={key.encode(): name for key, name in cfg.api_keys.items()},
-            default_class=cfg.default_class,
-            first_byte=cfg.timeouts.first_byte,
-            idle=cfg.timeouts.idle,
-        )
-
-    def classify(self, header: bytes | None, auth: bytes | None) -> str:
-        """An API key's class, else an opted-in class the header names, else the default."""
-        if auth is not None and self.api_keys and auth[:7].lower() == b"bearer ":
-            cls = self.api_keys.get(auth[7:].strip())
-            if cls is not None:
-                return cls
-        if header is not None:
-            return self.classes.get(header.strip(), self.default_class)
-        return self.default_class
 
 
 class Exchange:
@@ -149,51 +100,6 @@ class Exchange:
         if self.aborted is None and not self.finished:
             self.aborted = outcome
             self.task.cancel()
-
-
-def proxied_path(raw: bytes) -> bytes | None:
-    """The path to forward for a request's raw path, or None when it is not proxied.
-
-    Proxied: `/v1/*` and `PROXIED_EXACT`. A clean path (no '%', '/.' or '\\': nearly every
-    request) is judged as it is; any other is normalised first (`normalise_path`), and the
-    normalised path is what is judged and forwarded. Raises InvalidPath.
-    """
-    if b"%" in raw or b"/." in raw or b"\\" in raw:
-        raw = normalise_path(raw)
-    if raw.startswith(b"/v1/") or raw in PROXIED_EXACT:
-        return raw
-    return None
-
-
-def normalise_path(raw: bytes) -> bytes:
-    """`raw` with %2E decoded and dot segments removed (RFC 3986 §6.2.2.2, §5.2.4).
-
-    Other escapes stay as sent: decoding %65 could complete a new escape ('%2%65' is
-    '%2e' for an engine that decodes once). After this no segment of the path decodes to
-    '.' or '..' for the engine. An encoded '/' or '\\' and a bare '\\' raise InvalidPath:
-    servers disagree on whether they separate segments (Envoy rejects them the same way).
-    """
-    low = raw.lower()
-    if b"%2f" in low or b"%5c" in low or b"\\" in raw:
-        raise InvalidPath("the path contains an encoded '/' or a '\\'; send it unencoded")
-    return remove_dot_segments(_DOT.sub(b".", raw))
-
-
-def remove_dot_segments(path: bytes) -> bytes:
-    """RFC 3986 §5.2.4 for an absolute path: '/a/./b/../c' -> '/a/c', '/..' -> '/'."""
-    if not path.startswith(b"/"):
-        return path  # '*' or an absolute URI: never proxied anyway
-    segments = path.split(b"/")[1:]
-    out: list[bytes] = []
-    for seg in segments:
-        if seg == b"..":
-            if out:
-                out.pop()
-        elif seg != b".":
-            out.append(seg)
-    # a path ending in '.' or '..' names a directory: it keeps its trailing '/'
-    tail = b"/" if segments[-1] in (b".", b"..") and out else b""
-    return b"/" + b"/".join(out) + tail
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:
@@ -242,9 +148,9 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         s = self.settings
-        headers, rid, cls, length, ttft_ms = self._forward_headers(scope, s)
+        headers, rid, cls, length, ttft_ms = forward_headers(scope, s)
         try:
-            objective = _objective(ttft_ms)
+            objective = parse_objective(ttft_ms)
         except InvalidHeader as exc:
             self.access.refused(rid, cls, exc)
             await send_error(send, exc, [(b"x-request-id", rid)])
@@ -317,41 +223,6 @@ class Proxy:
             ex.abort(Outcome.CLIENT_CANCELLED)
         return len(cut)
 
-    def _forward_headers(
-        self, scope: Scope, s: ProxySettings
-    ) -> tuple[list[tuple[bytes, bytes]], bytes, str, bytes | None, bytes | None]:
-        """Headers for the engine, the request id, the class, the Content-Length and the
-        request's own TTFT objective (`x-kneegate-ttft-ms`, ours: not forwarded)."""
-        out: list[tuple[bytes, bytes]] = []
-        xff = rid = cls_value = auth = length = ttft = None
-        for k, v in scope["headers"]:
-            if k in HOP_BY_HOP:
-                if k == b"content-length" and v.isdigit():  # the parser checked it already
-                    length = v
-                continue
-            if k == b"x-forwarded-for":
-                xff = v
-                continue
-            if k == TTFT_HEADER:
-                ttft = v
-                continue
-            if k == b"x-request-id":
-                rid = v
-            elif k == s.class_header:
-                cls_value = v
-            elif k == b"authorization":
-                auth = v
-            out.append((k, v))
-        if rid is None:
-            rid = os.urandom(16).hex().encode()  # as random as uuid4, a third of the cost
-            out.append((b"x-request-id", rid))
-        client = scope.get("client")
-        if client:
-            xff = client[0].encode() if xff is None else xff + b", " + client[0].encode()
-        if xff is not None:
-            out.append((b"x-forwarded-for", xff))
-        return out, rid, s.classify(cls_value, auth), length, ttft
-
     async def _serve(
         self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[bytes, bytes]],
         body: bytes, rid: bytes, cls: str, writer: BodyWriter | None, objective: float,
@@ -379,7 +250,7 @@ class Proxy:
         outcome = Outcome.CLIENT_CANCELLED  # what a cancellation leaves behind
         try:
             resp = await self._open(ex, permit, scope, headers, body)
-            tap = Tap(self.clock, _is_sse(resp.headers))
+            tap = Tap(self.clock, is_sse(resp.headers))
             with upstream_errors(permit.upstream.url):
                 await self._relay(ex, resp, tap, send, rid, writer)
             outcome = _outcome_for_status(resp.status)
@@ -420,7 +291,7 @@ class Proxy:
 
         A connect failure marks that upstream failed and, the engine never having seen
         the request, moves it once to another upstream with room (else it is raised)."""
-        method, target = scope["method"], _target(scope)
+        method, target = scope["method"], forward_target(scope)
         try:
             resp = await self.client.open(method, permit.upstream.url, target, headers, body)
         except UpstreamError as exc:
@@ -438,13 +309,13 @@ class Proxy:
         # gate bounds the retries: the refusing upstream has no room until one of its
         # requests ends). Read whole (it is small) to tell it from other 503s; relayed from
         # memory when it stands.
-        while resp.status == 503 and _small(resp.headers):
+        while resp.status == 503 and small_body(resp.headers):
             with upstream_errors(permit.upstream.url):
                 refusal = await resp.read_all()
             resp.release()
-            if _VALVE not in refusal or not await self.gate.retry_refused(
+            if VALVE not in refusal or not await self.gate.retry_refused(
                     permit, self._sample(permit, Outcome.UPSTREAM_OVERLOADED, None)):
-                return _ReadResponse(resp.status, resp.headers, refusal)
+                return ReadResponse(resp.status, resp.headers, refusal)
             ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
             resp = await self.client.open(method, permit.upstream.url, target, headers, body)
             permit.upstream.answered(self.clock())
@@ -454,7 +325,7 @@ class Proxy:
         self, ex: Exchange, resp: Response, tap: Tap, send: Send, rid: bytes,
         writer: BodyWriter | None,
     ) -> None:
-        headers = [h for h in resp.headers if h[0] not in _RESPONSE_DROP]
+        headers = [h for h in resp.headers if h[0] not in RESPONSE_DROP]
         if not any(k == b"x-request-id" for k, _ in headers):
             headers.append((b"x-request-id", rid))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
@@ -537,79 +408,9 @@ class Proxy:
                 ex.abort(Outcome.CLIENT_STALLED if ex.sending else Outcome.TIMEOUT)
 
 
-TTFT_HEADER = b"x-kneegate-ttft-ms"
-
-
-def _objective(value: bytes | None) -> float:
-    """The request's own TTFT objective in seconds from `x-kneegate-ttft-ms` (inf: none).
-    It can only tighten its class's; a value that is not a positive number is a 400."""
-    if value is None:
-        return math.inf
-    try:
-        ms = float(value)
-    except ValueError:
-        ms = math.nan
-    if not (0 < ms < math.inf):
-        raise InvalidHeader(
-            f"x-kneegate-ttft-ms must be a positive number of milliseconds, got "
-            f"{value[:32].decode('latin-1')!r}", "x-kneegate-ttft-ms")
-    return ms / 1000
-
-
-# in both of vLLM 0.32's admission refusals (vllm/exceptions.py): "...busy and cannot accept
-# new requests" and "...reached its prefill token backlog limit", each followed by this
-_VALVE = b"Please try again later or on a different instance"
-_SMALL = 1 << 16  # bytes: a refusal is a short JSON error
-
-
-def _small(headers: Sequence[tuple[bytes, bytes]]) -> bool:
-    for k, v in headers:
-        if k == b"content-length":
-            return v.isdigit() and int(v) <= _SMALL
-    return False
-
-
-class _ReadResponse:
-    """An engine's small response read whole (to look at it), relayed from memory: the
-    parts of `UpstreamResponse` the relay uses."""
-
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        self.status, self.headers, self._body = status, headers, body
-
-    async def read(self) -> bytes:
-        body, self._body = self._body, b""
-        return body
-
-    async def pipe(self, sink: Callable[[bytes], bool]) -> bytes:
-        return await self.read()
-
-    def ended(self) -> bool:
-        return True  # what `read` returns is the last of it
-
-    def release(self) -> None:
-        pass  # its connection went back to the pool when it was read
-
-    def close(self) -> None:
-        pass
-
-
-Response = UpstreamResponse | _ReadResponse
+Response = UpstreamResponse | ReadResponse
 
 
 def _body_writer(scope: Scope) -> BodyWriter | None:
     extensions = scope.get("extensions")
     return extensions.get(WIRE_EXTENSION) if extensions else None
-
-
-def _target(scope: Scope) -> bytes:
-    path: bytes = scope.get("raw_path") or scope["path"].encode()
-    qs: bytes = scope.get("query_string", b"")
-    return path + b"?" + qs if qs else path
-
-
-def _is_sse(headers: Sequence[tuple[bytes, bytes]]) -> bool:
-    for k, v in headers:
-        if k == b"content-type":
-            return v.startswith(b"text/event-stream")
-    return False
-

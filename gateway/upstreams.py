@@ -45,8 +45,8 @@ scraped, or not yet (detecting), is left to the first-byte and idle timeouts.
 
 Telemetry: a healthy scraped upstream's /metrics is read every `scrape_interval`; a scrape
 that does not answer within `stale_after` (default 3 intervals) is abandoned, and good
-figures go to the controller (`on_engine_stats`), stamped at the scrape's midpoint. Each
-scrape is counted by outcome (ok, timeout, error, http_error, unparsable).
+figures go to the controller (`on_engine_stats`). The probes and scrapes themselves, the
+pool's only I/O, are gateway/probe.py's; this module keeps the state they report to.
 
 A reload that removes an upstream keeps it *draining*: its in-flight requests finish
 against it and it leaves the pool when the last one does.
@@ -66,8 +66,8 @@ from kneegate.controllers.base import EngineStats, LimitController
 from kneegate.controllers.registry import build_controller
 from kneegate.gateway.admission import UpstreamState
 from kneegate.gateway.config import UpstreamConfig
-from kneegate.gateway.errors import UpstreamError, UpstreamTimeout
-from kneegate.gateway.telemetry import Progress, Telemetry, parse_engine_metrics
+from kneegate.gateway.probe import probe, scrape
+from kneegate.gateway.telemetry import Progress, Telemetry
 from kneegate.gateway.types import Clock
 from kneegate.gateway.upstream_client import UpstreamClient
 
@@ -75,7 +75,6 @@ __all__ = ["Upstream", "UpstreamPool"]
 
 log = logging.getLogger("kneegate.upstreams")
 
-_PROBE_TIMEOUT = 2.0
 _BACKOFF_MIN, _BACKOFF_MAX = 0.5, 8.0
 _FROZEN_SCRAPES = 3  # failed scrapes in a row, with silent requests: frozen
 
@@ -254,11 +253,11 @@ class UpstreamPool:
                 continue
             if (not up.healthy or not up.confirmed) and now >= up.next_probe_at:
                 up.busy = True
-                tasks.append(asyncio.create_task(self._probe(client, up, now)))
+                tasks.append(asyncio.create_task(probe(self, client, up, now)))
             elif up.healthy and up.scraping is not False and now >= up.next_scrape_at:
                 up.busy = True
                 up.next_scrape_at = now + up.config.scrape_interval
-                tasks.append(asyncio.create_task(self._scrape(client, up, now)))
+                tasks.append(asyncio.create_task(scrape(self, client, up, now)))
         return tasks
 
     async def first_contact(self, client: UpstreamClient) -> None:
@@ -269,7 +268,7 @@ class UpstreamPool:
         for up in self.active:
             if up.config is not None and not up.busy:
                 up.busy = True
-                probes.append(self._probe(client, up, now))
+                probes.append(probe(self, client, up, now))
         await asyncio.gather(*probes)
 
     def _judge_silence(self, up: Upstream, now: float) -> None:
@@ -286,26 +285,9 @@ class UpstreamPool:
             up.frozen = True
             up.refresh_usable()
 
-    def _scrape_answered(self, up: Upstream, answered: bool) -> None:
-        if not answered:
-            up.scrape_failures += 1
-            return
-        up.scrape_failures = 0
-        up.confirmed = True
-        if up.frozen:
-            log.warning("upstream %s answers again", up.name)
-            up.frozen = False
-            up.refresh_usable()
-
-    async def _probe(self, client: UpstreamClient, up: Upstream, now: float) -> None:
+    def probed(self, up: Upstream, ok: bool, now: float) -> None:
+        """A health probe's verdict: a 2xx (`ok`) makes `up` healthy, else it backs off."""
         assert up.config is not None
-        try:
-            status, _ = await client.get_text(up.url + up.config.health_path, _PROBE_TIMEOUT)
-            ok = 200 <= status < 300
-        except UpstreamError:
-            ok = False
-        finally:
-            up.busy = False
         if ok:
             if not up.healthy:
                 log.warning("upstream %s healthy again%s", up.name,
@@ -318,56 +300,29 @@ class UpstreamPool:
             up.backoff = min(_BACKOFF_MAX, up.backoff * 2)
             up.next_probe_at = now + up.backoff
 
-    async def _scrape(self, client: UpstreamClient, up: Upstream, started: float) -> None:
-        try:
-            outcome = await self._fetch(client, up, started)
-        finally:
-            up.busy = False
-        self._scrape_answered(up, outcome not in ("timeout", "error"))
-        if outcome is not None:
-            self.count_scrape(up.name, outcome)
-
-    async def _fetch(self, client: UpstreamClient, up: Upstream, started: float) -> str | None:
-        """One scrape's outcome; None when it was a detection that found no vLLM series
-        (or that a reload overtook): not a scrape."""
-        cfg, detecting = up.config, up.scraping is None
-        assert cfg is not None and cfg.scrape_url is not None
-        try:
-            # figures that arrive after stale_after would not be used: stop waiting then
-            status, text = await client.get_text(cfg.scrape_url, cfg.stale_bound)
-        except UpstreamTimeout:
-            return "timeout"
-        except UpstreamError:
-            return "error"
-        done = self.clock()
-        if detecting:
-            if up.config is not cfg or up.scraping is not None:
-                return None  # a reload changed what to detect while this one ran
-            if status < 500 and not (status == 200 and "vllm:" in text):
-                self._not_vllm(up, cfg.scrape_url, status)
-                return None
-            if status == 200:
-                self._detected(up, cfg)
-        if status != 200:
-            return "http_error"
-        try:
-            # the engine rendered its figures somewhere between asking and answering
-            stats = parse_engine_metrics(text, (started + done) / 2)
-        except ValueError:
-            stats = None
-        if stats is None:
-            return "unparsable"
-        self.note_engine(up, stats, done)
-        return "ok"
+    @staticmethod
+    def scrape_answered(up: Upstream, answered: bool) -> None:
+        """A scrape got an HTTP answer (any), or timed out or failed: judges `frozen`."""
+        if not answered:
+            up.scrape_failures += 1
+            return
+        up.scrape_failures = 0
+        up.confirmed = True
+        if up.frozen:
+            log.warning("upstream %s answers again", up.name)
+            up.frozen = False
+            up.refresh_usable()
 
     @staticmethod
-    def _detected(up: Upstream, cfg: UpstreamConfig) -> None:
+    def detected(up: Upstream, cfg: UpstreamConfig) -> None:
+        """A detecting scrape found vLLM series: scraped from now on."""
         log.info("upstream %s: %s shows vLLM series; scraping it every %gs", up.name,
                  cfg.scrape_url, cfg.scrape_interval)
         up.scraping, up.progress = True, _progress(cfg)
 
     @staticmethod
-    def _not_vllm(up: Upstream, url: str, status: int) -> None:
+    def not_vllm(up: Upstream, url: str, status: int) -> None:
+        """A detecting scrape found no vLLM series: not scraped (see the module docstring)."""
         what = "no vLLM series" if status == 200 else f"HTTP {status}"
         log.info("upstream %s: %s answers %s; not scraped (asked again when the upstream comes "
                  "back after a failure; `scrape: true` forces it)", up.name, url, what)

@@ -10,7 +10,7 @@ from gw_helpers import FakeEngine, assert_conserved
 from test_proxy import _rig
 
 from kneegate.gateway.config import load_config
-from kneegate.gateway.proxy import ProxySettings
+from kneegate.gateway.forwarding import ProxySettings
 
 pytestmark = pytest.mark.anyio
 

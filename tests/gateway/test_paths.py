@@ -14,7 +14,7 @@ import pytest
 from gw_helpers import FakeEngine, assert_conserved
 from test_proxy import Rig, _rig
 
-from kneegate.gateway.proxy import normalise_path, proxied_path
+from kneegate.gateway.forwarding import normalise_path, proxied_path
 
 pytestmark = pytest.mark.anyio
 

@@ -1,0 +1,92 @@
+"""The pool's I/O: health probes of `health_path` and scrapes of `/metrics`.
+
+The tick starts them (`UpstreamPool.background`, and `first_contact` at start-up), one at
+a time per upstream (`Upstream.busy`); each reads its answer and hands the verdict to the
+pool, which owns the upstream's state (gateway/upstreams.py says what the states mean).
+
+A probe answers in `PROBE_TIMEOUT` or is a failure: a 2xx is healthy
+(`UpstreamPool.probed`), anything else backs off.
+
+A scrape waits at most `stale_after` (figures that arrive later would not be used) and is
+counted by outcome: ok, timeout, error, http_error, unparsable. While the upstream is
+*detecting*, an answer below 500 that is not a 200 holding vLLM series (a `vllm:` name)
+means "not vLLM" and is no scrape (`UpstreamPool.not_vllm`); a 200 with them turns
+scraping on (`UpstreamPool.detected`). Good figures, stamped at the scrape's midpoint (the
+engine rendered them somewhere between asking and answering), go to
+`UpstreamPool.note_engine`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kneegate.gateway.errors import UpstreamError, UpstreamTimeout
+from kneegate.gateway.telemetry import parse_engine_metrics
+
+if TYPE_CHECKING:  # the pool imports this module: no import back at run time
+    from kneegate.gateway.upstream_client import UpstreamClient
+    from kneegate.gateway.upstreams import Upstream, UpstreamPool
+
+__all__ = ["PROBE_TIMEOUT", "probe", "scrape"]
+
+PROBE_TIMEOUT = 2.0
+
+
+async def probe(pool: UpstreamPool, client: UpstreamClient, up: Upstream, now: float) -> None:
+    """Ask `up`'s `health_path` once; the pool takes the verdict."""
+    assert up.config is not None
+    try:
+        status, _ = await client.get_text(up.url + up.config.health_path, PROBE_TIMEOUT)
+        ok = 200 <= status < 300
+    except UpstreamError:
+        ok = False
+    finally:
+        up.busy = False
+    pool.probed(up, ok, now)
+
+
+async def scrape(pool: UpstreamPool, client: UpstreamClient, up: Upstream, started: float
+                 ) -> None:
+    """Read `up`'s /metrics once; count it and tell the pool whether it answered."""
+    try:
+        outcome = await _fetch(pool, client, up, started)
+    finally:
+        up.busy = False
+    pool.scrape_answered(up, outcome not in ("timeout", "error"))
+    if outcome is not None:
+        pool.count_scrape(up.name, outcome)
+
+
+async def _fetch(pool: UpstreamPool, client: UpstreamClient, up: Upstream, started: float
+                 ) -> str | None:
+    """One scrape's outcome; None when it was a detection that found no vLLM series
+    (or that a reload overtook): not a scrape."""
+    cfg, detecting = up.config, up.scraping is None
+    assert cfg is not None and cfg.scrape_url is not None
+    try:
+        # figures that arrive after stale_after would not be used: stop waiting then
+        status, text = await client.get_text(cfg.scrape_url, cfg.stale_bound)
+    except UpstreamTimeout:
+        return "timeout"
+    except UpstreamError:
+        return "error"
+    done = pool.clock()
+    if detecting:
+        if up.config is not cfg or up.scraping is not None:
+            return None  # a reload changed what to detect while this one ran
+        if status < 500 and not (status == 200 and "vllm:" in text):
+            pool.not_vllm(up, cfg.scrape_url, status)
+            return None
+        if status == 200:
+            pool.detected(up, cfg)
+    if status != 200:
+        return "http_error"
+    try:
+        # the engine rendered its figures somewhere between asking and answering
+        stats = parse_engine_metrics(text, (started + done) / 2)
+    except ValueError:
+        stats = None
+    if stats is None:
+        return "unparsable"
+    pool.note_engine(up, stats, done)
+    return "ok"
