@@ -4,11 +4,11 @@
 
 Dispatch is a few byte tests per request: `/v1/*`, `/tokenize`, `/detokenize` and
 `/version` go straight to `Proxy` as pure ASGI (methods other than GET, POST, DELETE,
-HEAD and OPTIONS get 405); everything else goes to Starlette, which serves `/health`,
-`/ready`, `/metrics`, `/kneegate/status`, `/kneegate/history`, `POST /kneegate/reload`
-and the live page at `/kneegate/` (gateway/livepage.py), and answers 404 (OpenAI-style
-body) for any other path: never an open proxy. A raw path that could hide
-a dot segment ('%', '/.' or '\\' in it) is normalised first (`proxy.proxied_path`): it is
+HEAD and OPTIONS get 405); everything else goes to Starlette (gateway/endpoints.py), which
+serves `/health`, `/ready`, `/metrics`, `/kneegate/status`, `/kneegate/history`,
+`POST /kneegate/reload` and the live page at `/kneegate/` (gateway/livepage.py), and answers
+404 (OpenAI-style body) for any other path: never an open proxy. A raw path that could hide
+a dot segment ('%', '/.' or '\\' in it) is normalised first (`forwarding.proxied_path`): it is
 forwarded in its normalised form if that is a proxied path, else answered 404 (400 for
 an encoded '/' or '\\'), and never reaches the gateway's own endpoints.
 
@@ -22,32 +22,23 @@ watch of the config file (gateway/watch.py): a file changed on disk is reloaded 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
 import logging
-import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from prometheus_client import CollectorRegistry
 
 from kneegate.gateway.admission import AdmissionQueue, ClassPolicy
 from kneegate.gateway.config import GatewayConfig, parse_reload, read_config
 from kneegate.gateway.demand import DemandEstimate
+from kneegate.gateway.endpoints import NO_ROUTE, own_endpoints
 from kneegate.gateway.errors import (
     ConfigError,
     HTTPError,
     InvalidPath,
     MethodNotAllowed,
     NotFound,
-    Unauthorized,
-    render,
     send_error,
 )
 from kneegate.gateway.forwarding import (
@@ -59,7 +50,6 @@ from kneegate.gateway.forwarding import (
 )
 from kneegate.gateway.gate import Gate
 from kneegate.gateway.history import History
-from kneegate.gateway.livepage import live_page_routes
 from kneegate.gateway.metrics import GatewayMetrics
 from kneegate.gateway.proxy import Proxy
 from kneegate.gateway.types import Clock, Receive, Scope, Send
@@ -70,9 +60,6 @@ from kneegate.gateway.watch import ConfigWatcher
 __all__ = ["Gateway", "KneegateApp", "build_app"]
 
 log = logging.getLogger("kneegate")
-
-_NOT_FOUND = ("no route for {}; kneegate proxies /v1/*, /tokenize, /detokenize and "
-              "/version")
 
 # Turns a freshly loaded file into what this process runs (CLI flags, the embedded
 # upstream, this worker's share); applied on every reload too.
@@ -287,7 +274,7 @@ class KneegateApp:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.proxy = gateway.proxy
-        self.own = _own_endpoints(gateway)
+        self.own = own_endpoints(gateway)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -317,7 +304,7 @@ class KneegateApp:
             await self._refuse(scope, send, exc)
             return
         if target is None:
-            await self._refuse(scope, send, NotFound(_NOT_FOUND.format(scope["path"])))
+            await self._refuse(scope, send, NotFound(NO_ROUTE.format(scope["path"])))
             return
         scope = {**scope, "raw_path": target}  # what the proxy forwards (`_target`)
         if scope["method"] in FORWARDED_METHODS:
@@ -332,103 +319,6 @@ class KneegateApp:
         raw = scope.get("raw_path") or b""
         log.info("refused %s %r: %d %s", scope["method"], raw[:200], exc.status, exc.code)
         await send_error(send, exc)
-
-
-def _json_safe(obj: Any) -> Any:
-    """NaN and infinities (unknown engine figures, unset estimates) become null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def _error_response(exc: HTTPError) -> Response:
-    status, headers, body = render(exc)
-    return Response(body, status, headers={k.decode(): v.decode() for k, v in headers})
-
-
-def _own_endpoints(gw: Gateway) -> Starlette:
-    def admin_only(request: Request) -> None:
-        token = gw.config.admin_token
-        if token is None:
-            return
-        # RFC 9110 §11.1: the scheme is case-insensitive; the token is compared in constant time
-        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        ok = hmac.compare_digest(given.strip().encode("latin-1"), token.encode())
-        if not ok or scheme.lower() != "bearer":
-            raise _Denied
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def ready(request: Request) -> Response:
-        if gw.draining:
-            return JSONResponse({"ready": False, "draining": True, "usable": []}, 503)
-        # usable and confirmed: an upstream never contacted is not known to work
-        usable = [u.name for u in gw.pool.active if u.usable and u.confirmed]
-        return JSONResponse({"ready": bool(usable), "usable": usable}, 200 if usable else 503)
-
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def status(request: Request) -> Response:
-        admin_only(request)
-        return JSONResponse(_json_safe(gw.status()))
-
-    async def history(request: Request) -> Response:
-        admin_only(request)
-        try:  # only points after `since` (the page asks for what it has not drawn yet)
-            since: float | None = float(request.query_params.get("since", ""))
-        except ValueError:
-            since = None
-        return JSONResponse(_json_safe(gw.history.view(gw.clock(), since)))
-
-    async def reload(request: Request) -> Response:
-        admin_only(request)
-        ok, message = gw.reload()
-        return JSONResponse({"reloaded": ok, "message": message}, 200 if ok else 400)
-
-    async def denied(request: Request, exc: Exception) -> Response:
-        return _error_response(Unauthorized("admin endpoint: send 'Authorization: Bearer <token>'"))
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        if isinstance(exc, HTTPException) and exc.status_code == 405:
-            allow = (exc.headers or {}).get("Allow", "")
-            return _error_response(MethodNotAllowed(
-                f"method {request.method} is not allowed on {request.url.path}; "
-                f"allowed: {allow}", allow.encode()))
-        if isinstance(exc, HTTPException) and exc.status_code != 404:
-            return Response(exc.detail, exc.status_code)
-        return _error_response(NotFound(_NOT_FOUND.format(request.url.path)))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gw.start()
-        try:
-            yield
-        finally:
-            await gw.stop()
-
-    routes = [
-        Route("/health", health),
-        Route("/ready", ready),
-        Route("/metrics", metrics),
-        Route("/kneegate/status", status),
-        Route("/kneegate/reload", reload, methods=["POST"]),
-        Route("/kneegate/history", history),
-        *live_page_routes(),
-    ]
-    return Starlette(
-        routes=routes, lifespan=lifespan,
-        exception_handlers={_Denied: denied, HTTPException: not_found},
-    )
-
-
-class _Denied(Exception):
-    pass
 
 
 def build_app(

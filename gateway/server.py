@@ -46,8 +46,9 @@ import uvicorn
 
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config import GatewayConfig, LimitsConfig, split_for_worker
+from kneegate.gateway.limits import ClientLimits
 from kneegate.gateway.logs import EMBEDDED
-from kneegate.gateway.wire import ClientLimits, KneegateHttpProtocol, WireConfig
+from kneegate.gateway.wire import KneegateHttpProtocol, WireConfig
 
 __all__ = [
     "GatewayServer", "QuietServer", "bind", "embedded_upstream", "run", "running", "serving",

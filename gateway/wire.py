@@ -19,28 +19,9 @@ state (keep-alive, response completion, pipelining) stays exactly what it tracks
 `BodyWriter.on_disconnect` is called when the client's connection is lost mid-response,
 so the proxy needs no task parked on `receive()` to notice.
 
-Client limits (`ClientLimits`, from the config's `limits`, fixed at start-up). What a client
-sends is bounded before it reaches the app, in the protocol's callbacks, with no task and
-at most one timer per connection and phase:
-
-- the request head (request line and headers) is counted as bytes arrive, before httptools
-  buffers them: past `max_header_bytes`, or past `max_headers` fields, the client gets 431
-  (a pipelined head that starts within the read that ends the request before it is counted
-  from its next read: it may reach twice the limit, never more);
-- the head must arrive within `header_timeout` of the connection or of its first byte
-  (slowloris): 408, or a silent close when nothing came at all (nginx does the same);
-- a request body must not pause longer than `body_timeout` between two reads: 408;
-- an idle keep-alive connection is closed after `keepalive_timeout` (uvicorn's own timer);
-- a connection accepted past `max_connections` open ones is answered 503 on its request.
-
-Each refusal is counted (`kneegate_client_rejections_total{reason}`), answered with the
-OpenAI-style body and `connection: close`, and the connection is then closed the way nginx
-does it ("lingering close"): the answer is flushed with a FIN, and what the client still
-sends is read and dropped for a few seconds; a plain close with unread input would make
-the kernel send a reset that can destroy the answer before the client reads it.
-
-HTTP/1.0 clients cannot read chunked bodies: a response without Content-Length goes to
-them close-delimited (raw bytes, the end of the body is the end of the connection).
+The client limits (gateway/limits.py: what they bound and how a refusal is answered) are
+enforced here, in the protocol's callbacks. HTTP/1.0 clients get a request cycle of their
+own (gateway/http10.py).
 
 What it needs of uvicorn. The body writer and the HTTP/1.0 cycle read attributes of
 uvicorn's RequestResponseCycle, which is not a public API (`CYCLE_NEEDS`). The first cycle
@@ -61,38 +42,27 @@ from __future__ import annotations
 import logging
 from asyncio import TimerHandle, Transport
 from collections.abc import Callable
-from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from kneegate.gateway.config import LimitsConfig
-from kneegate.gateway.errors import (
-    HeadersTooLarge,
-    HTTPError,
-    RequestTimeout,
-    TooManyConnections,
-    render,
-)
-
-if TYPE_CHECKING:
-    from uvicorn._types import ASGISendEvent
+from kneegate.gateway.http10 import CloseDelimitedCycle
+from kneegate.gateway.limits import ClientLimits
 
 __all__ = [
-    "CYCLE_NEEDS", "EXTENSION", "BodyWriter", "ClientLimits", "KneegateHttpProtocol",
-    "WireConfig", "probe",
+    "CYCLE_NEEDS", "EXTENSION", "BodyWriter", "KneegateHttpProtocol", "WireConfig", "probe",
 ]
 
 EXTENSION = "kneegate.body_writer"
 LINGER = 5.0  # seconds a refused client's further input is read and dropped (nginx: 5 s)
-LOG_EVERY = 10.0  # seconds between two log lines about refusals of one reason
 
 log = logging.getLogger("kneegate")
 
 _CALLABLE = cast("type", Callable)  # isinstance() takes it; mypy wants it called a type
-# What BodyWriter and _CloseDelimitedCycle read of uvicorn's RequestResponseCycle (dotted:
+# What BodyWriter and CloseDelimitedCycle read of uvicorn's RequestResponseCycle (dotted:
 # an attribute's attribute), with the types they expect. Not uvicorn's public API.
 CYCLE_NEEDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
     ("transport.write", _CALLABLE),
@@ -163,62 +133,6 @@ class BodyWriter:
         callback, self.on_disconnect = self.on_disconnect, None
         if callback is not None and not self._cycle.response_complete:
             callback()
-
-
-def _ignore(reason: str) -> None:
-    pass
-
-
-def _answer(exc: HTTPError) -> bytes:
-    """The whole response for a refusal, written by the protocol itself (no ASGI cycle)."""
-    status, headers, body = render(exc)
-    line = b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())
-    lines = [line, *(k + b": " + v + b"\r\n" for k, v in headers)]
-    return b"".join([*lines, b"connection: close\r\n\r\n", body])
-
-
-class ClientLimits:
-    """The `limits` one server's connections enforce, with their answers prepared once.
-
-    `count(reason)` is called once per refusal (the gateway's metrics; a no-op elsewhere).
-    """
-
-    __slots__ = ("_logged", "answers", "body_timeout", "count", "header_timeout",
-                 "max_connections", "max_header_bytes", "max_headers")
-
-    def __init__(self, cfg: LimitsConfig, count: Callable[[str], None] | None = None) -> None:
-        self.max_header_bytes, self.max_headers = cfg.max_header_bytes, cfg.max_headers
-        self.header_timeout, self.body_timeout = cfg.header_timeout, cfg.body_timeout
-        self.max_connections = cfg.max_connections
-        self.count = count or _ignore
-        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last line at, unlogged)
-        self.answers: dict[str, bytes] = {
-            "header_bytes": _answer(HeadersTooLarge(
-                f"request line and headers exceed {cfg.max_header_bytes} bytes; "
-                "send fewer or smaller headers")),
-            "header_count": _answer(HeadersTooLarge(
-                f"more than {cfg.max_headers} header fields; send fewer headers")),
-            "header_timeout": _answer(RequestTimeout(
-                f"request headers not received within {cfg.header_timeout:g}s")),
-            "body_timeout": _answer(RequestTimeout(
-                f"request body paused for more than {cfg.body_timeout:g}s; "
-                "send it without pauses")),
-            "connection_limit": _answer(TooManyConnections(
-                f"more than {cfg.max_connections} open connections; retry after 1s", 1)),
-        }
-
-
-    def refused(self, reason: str, peer: str, now: float) -> None:
-        """Count a refusal; log it, at most one line per reason every LOG_EVERY seconds
-        (a flood of bad clients must not become a flood of log lines)."""
-        self.count(reason)
-        at, unlogged = self._logged.get(reason, (-LOG_EVERY, 0))
-        if now - at < LOG_EVERY:
-            self._logged[reason] = (at, unlogged + 1)
-            return
-        self._logged[reason] = (now, 0)
-        more = f" ({unlogged} more since the last line)" if unlogged else ""
-        log.info("client %s refused: %s%s", peer, reason, more)
 
 
 class WireConfig(uvicorn.Config):
@@ -364,7 +278,7 @@ class KneegateHttpProtocol(HttpToolsProtocol):
             if not relay:
                 return  # the app relays through `send`
             if self.scope["http_version"] == "1.0":
-                cycle.__class__ = _CloseDelimitedCycle  # same state, one method differs
+                cycle.__class__ = CloseDelimitedCycle  # same state, one method differs
             writer = BodyWriter(cycle)
             # ASGI types each extension's value as a dict; ours is an object with methods.
             extensions = cast("dict[str, object]", self.scope.setdefault("extensions", {}))
@@ -458,46 +372,3 @@ def _probe_once(cycle: RequestResponseCycle) -> bool:
 
 def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "?"
-
-
-class _CloseDelimitedCycle(RequestResponseCycle):
-    """A request cycle for an HTTP/1.0 client: a body without Content-Length is sent
-    as it is and ends when the connection closes (RFC 9112 §6.3), never chunked.
-
-    uvicorn answers every request HTTP/1.1-style and adds chunked framing when the app
-    gives no Content-Length, which an HTTP/1.0 client cannot read. HTTP/1.0 requests are
-    never kept alive by uvicorn, so the close is due anyway.
-    """
-
-    _raw = False  # the response started without framing: bodies go out as they are
-
-    async def send(self, message: ASGISendEvent) -> None:
-        if not self.response_started:
-            if message["type"] == "http.response.start" and _unframed(
-                    message.get("headers", ()), message["status"], self.scope["method"]):
-                self._raw = True
-                self.chunked_encoding = False  # uvicorn then adds no transfer-encoding
-            await super().send(message)
-            return
-        if not self._raw or self.response_complete or message["type"] != "http.response.body":
-            await super().send(message)
-            return
-        if self.flow.write_paused and not self.disconnected:
-            await self.flow.drain()
-        if self.disconnected:
-            return
-        body = message.get("body", b"")
-        if body:
-            self.transport.write(body)
-        if not message.get("more_body", False):
-            self.response_complete = True
-            self.message_event.set()
-            self.transport.close()  # the end of the body
-            self.on_response()
-
-
-def _unframed(headers: Any, status: int, method: str) -> bool:
-    """True when uvicorn would frame this response with chunked encoding."""
-    if method == "HEAD" or status in (204, 304):
-        return False
-    return not any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)

@@ -26,7 +26,8 @@ from uvicorn.server import ServerState
 
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config import LimitsConfig
-from kneegate.gateway.wire import ClientLimits, KneegateHttpProtocol, WireConfig
+from kneegate.gateway.limits import ClientLimits
+from kneegate.gateway.wire import KneegateHttpProtocol, WireConfig
 
 pytestmark = pytest.mark.anyio
 
