@@ -37,7 +37,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kneegate.gateway.admission import AdmissionQueue, ClassPolicy
+from kneegate.gateway.admission import AdmissionQueue
+from kneegate.gateway.admission_types import ClassPolicy
 from kneegate.gateway.config import GatewayConfig, parse_reload, read_config
 from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.errors import (
