@@ -27,10 +27,9 @@ a request that cannot be admitted at once is refused (429 `over_objective`) when
 predicted wait in the queue, (queued ahead + 1) / the measured completion rate, is more than
 its class's `queue_budget` (0.25) of the objective less the engine's recent TTFT: told at
 once, not after waiting (the prediction, and why a quarter: `gateway.admission_wait`). A
-queued request
-leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its objective less the
-engine's TTFT has passed, and is never dispatched after that: the engine does no work for
-a user who will see a miss or has left.
+queued request leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its
+objective less the engine's TTFT has passed, and is never dispatched after that: the engine
+does no work for a user who will see a miss or has left.
 
 The safety net, for when the prediction is wrong (capacity fell, prompts grew, other
 gateways share the engine): while a class's queue stands (`StandingQueue`: every head has
@@ -46,13 +45,11 @@ come in through `tick` and `engine_stats`, and `has_room_for` asks `fits`. Every
 guarded: what a controller raises goes to `on_error` (the gate logs and counts it) and
 costs that update only, never a slot or a request.
 
-Dispatch order: higher `priority` classes first, FIFO within a class. A request
-goes to the usable upstream with the most free room, measured as in-flight / limit.
-An upstream has room for a ticket while its in-flight count is under its controller's
-`limit` and the controller `fits` the ticket's prompt-size estimate beside the sizes
-already in flight there (a token budget; most controllers count requests only). A head
-that does not fit waits, and what is queued behind it waits too: FIFO, so a large
-request is never starved by smaller ones that slip past it.
+Dispatch order: higher `priority` classes first, FIFO within a class. A request goes to the
+usable upstream with room for it (`UpstreamState`: its limit, and its controller's token
+budget) that is least full, in-flight / limit (`least_full`). A head that does not fit
+waits, and what is queued behind it waits too: FIFO, so a large request is never starved by
+smaller ones that slip past it.
 """
 
 from __future__ import annotations
@@ -70,6 +67,7 @@ from kneegate.gateway.admission_types import (
     Rejected,
     Ticket,
     UpstreamState,
+    least_full,
     no_upstream,
     over_objective,
     queue_full,
@@ -80,6 +78,8 @@ from kneegate.gateway.admission_wait import StandingQueue, WaitEstimate
 from kneegate.gateway.demand import Demand
 
 __all__ = ["AdmissionQueue"]
+
+_DRAINING = -(10**9)  # the rank of a class a reload removed: after every configured class
 
 
 @dataclass
@@ -120,8 +120,7 @@ class AdmissionQueue:
         self.upstreams = list(upstreams)
         for name in classes:
             self._queues.setdefault(name, deque())
-        # a class a reload removed keeps draining, after every configured class
-        rank = {n: self.classes[n].priority if n in self.classes else -(10**9)
+        rank = {n: self.classes[n].priority if n in self.classes else _DRAINING
                 for n in self._queues}
         self._order = sorted(self._queues, key=lambda n: -rank[n])
 
@@ -154,7 +153,7 @@ class AdmissionQueue:
         From the measured completion rate; until there is one (a cold start), from the
         usable upstreams' limits, each slot assumed to free once a second.
         """
-        wait = self.queue_wait(ahead)
+        wait = self._wait.queue_wait(ahead)
         if wait is None:
             wait = (ahead + 1) / (sum(u.controller.limit for u in self.upstreams if u.usable) or 1)
         return self._clamp(wait)
@@ -177,13 +176,13 @@ class AdmissionQueue:
             return no_upstream(self.retry_after_min)
         ahead = self._ahead_of(cls)
         if ahead == 0:
-            up = self._pick(ticket.tokens)
+            up = least_full(self.upstreams, ticket.tokens)
             if up is not None:
                 self._dispatch(ticket, up, now)
                 return Admitted(up)
         policy = self.classes[cls]
         objective = self.objective(ticket)
-        wait = self.queue_wait(ahead)
+        wait = self._wait.queue_wait(ahead)
         budget = self._wait.budget(policy.queue_budget, objective)
         if wait is not None and wait > budget:
             ra = self._clamp(wait - budget)
@@ -248,11 +247,7 @@ class AdmissionQueue:
 
     def free(self, upstream: UpstreamState, tokens: int = 0) -> None:
         """Give back one slot and its `tokens`; dispatches nothing (`pump` does)."""
-        upstream.refusing = False  # a request left the engine: its own queue has room again
-        upstream.inflight -= 1
-        upstream.inflight_tokens -= tokens
-        assert upstream.inflight >= 0, "released more slots than were taken"
-        assert upstream.inflight_tokens >= 0, "released more tokens than were taken"
+        upstream.free(tokens)
 
     def note_completion(self, now: float) -> None:
         """A request finished on an engine: the completion rate's evidence."""
@@ -273,7 +268,7 @@ class AdmissionQueue:
                 if head.due <= now or (standing and now - head.arrived_at > target):
                     self._late.append(q.popleft())
                     continue
-                up = self._pick(head.tokens)
+                up = least_full(self.upstreams, head.tokens)
                 if up is None:
                     return out
                 q.popleft()
@@ -309,11 +304,6 @@ class AdmissionQueue:
         """The heads `pump` set aside past their objective (cheap: no scan), removed."""
         late, self._late = self._late, []
         return late
-
-    def queue_wait(self, ahead: int) -> float | None:
-        """Seconds a request with `ahead` queued before it is predicted to wait for a slot
-        (`WaitEstimate.queue_wait`); None until completions have been measured."""
-        return self._wait.queue_wait(ahead)
 
     def note_ttft(self, seconds: float) -> None:
         """A first token came `seconds` after dispatch: the engine's part of the wait."""
@@ -352,11 +342,7 @@ class AdmissionQueue:
         may let a queued ticket go elsewhere only through another upstream's room."""
         old = ticket.upstream
         assert old is not None, "only a dispatched ticket can be rerouted"
-        best: UpstreamState | None = None
-        for u in self.upstreams:
-            if u is not old and u.has_room_for(ticket.tokens) and (
-                    best is None or u.fullness < best.fullness):
-                best = u
+        best = least_full(self.upstreams, ticket.tokens, skip=old)
         if best is None:
             return None
         self.free(old, ticket.tokens)
@@ -402,22 +388,14 @@ class AdmissionQueue:
         for name, q in self._queues.items():
             if q:
                 policy = self.classes.get(name)
-                if (policy.priority if policy is not None else -(10**9)) >= rank:
+                if (policy.priority if policy is not None else _DRAINING) >= rank:
                     ahead += len(q)
         return ahead
-
-    def _pick(self, tokens: int) -> UpstreamState | None:
-        best: UpstreamState | None = None
-        for u in self.upstreams:
-            if u.has_room_for(tokens) and (best is None or u.fullness < best.fullness):
-                best = u
-        return best
 
     def _dispatch(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
         if up.inflight == 0 and not any(u.inflight for u in self.upstreams):
             self._wait.completions.resume(now)  # busy again after idle
-        up.inflight += 1
-        up.inflight_tokens += ticket.tokens
+        up.take(ticket.tokens)
         ticket.upstream = up
         ticket.dispatched_at = now
         ticket.inflight_at_admit = up.inflight

@@ -23,12 +23,14 @@ __all__ = [
     "Rejected",
     "Ticket",
     "UpstreamState",
+    "least_full",
     "no_upstream",
     "over_objective",
     "queue_full",
     "queue_timeout",
     "shutting_down",
 ]
+
 
 class RejectReason(enum.Enum):
     QUEUE_FULL = "queue_full"  # 429: capacity exists, but not now
@@ -52,7 +54,11 @@ class ClassPolicy:
 
 @dataclass(slots=True)
 class UpstreamState:
-    """One engine as admission sees it: its controller and its live in-flight count."""
+    """One engine as admission sees it: its controller and its live in-flight count.
+
+    It has room for a ticket while its in-flight count is under its controller's `limit`
+    and the controller `fits` the ticket's prompt-size estimate beside the sizes already in
+    flight there (a token budget; most controllers count requests only)."""
 
     name: str
     controller: Controller
@@ -75,6 +81,19 @@ class UpstreamState:
             self.inflight, self.inflight_tokens, tokens
         )
 
+    def take(self, tokens: int) -> None:
+        """One more request in flight here, of `tokens` (its prompt-size estimate)."""
+        self.inflight += 1
+        self.inflight_tokens += tokens
+
+    def free(self, tokens: int) -> None:
+        """One request of `tokens` left: its slot, and room in the engine's own queue."""
+        self.refusing = False  # a request left the engine: its own queue has room again
+        self.inflight -= 1
+        self.inflight_tokens -= tokens
+        assert self.inflight >= 0, "released more slots than were taken"
+        assert self.inflight_tokens >= 0, "released more tokens than were taken"
+
 
 @dataclass(slots=True, eq=False)
 class Ticket:
@@ -90,6 +109,18 @@ class Ticket:
     upstream: UpstreamState | None = None  # set at dispatch
     dispatched_at: float | None = None
     inflight_at_admit: int = 0
+
+
+def least_full(upstreams: list[UpstreamState], tokens: int,
+               skip: UpstreamState | None = None) -> UpstreamState | None:
+    """The upstream with room for `tokens` that is least full (in-flight / limit), `skip`
+    aside; None when none has room. The first of equals wins."""
+    best: UpstreamState | None = None
+    for u in upstreams:
+        if u is not skip and u.has_room_for(tokens) and (
+                best is None or u.fullness < best.fullness):
+            best = u
+    return best
 
 
 @dataclass(frozen=True, slots=True)
