@@ -39,7 +39,8 @@ from starlette.routing import Route
 
 from kneegate.gateway.admission import AdmissionQueue
 from kneegate.gateway.admission_types import ClassPolicy
-from kneegate.gateway.config import GatewayConfig, parse_reload, read_config
+from kneegate.gateway.config import GatewayConfig, parse_reload
+from kneegate.gateway.config_yaml import read_config
 from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.errors import (
     ConfigError,

@@ -65,7 +65,7 @@ from typing import Any
 from kneegate.controllers.base import EngineStats, LimitController
 from kneegate.controllers.registry import build_controller
 from kneegate.gateway.admission_types import UpstreamState
-from kneegate.gateway.config import UpstreamConfig
+from kneegate.gateway.config_upstream import UpstreamConfig
 from kneegate.gateway.errors import UpstreamError, UpstreamTimeout
 from kneegate.gateway.telemetry import Progress, Telemetry, parse_engine_metrics
 from kneegate.gateway.types import Clock
