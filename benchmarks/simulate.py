@@ -63,8 +63,8 @@ from kneegate.benchmarks.engine.virtual import closed_loop
 from kneegate.benchmarks.sweep import find_knee
 from kneegate.controllers.base import EngineStats, LimitController, Outcome, Sample
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import (
-    AdmissionQueue,
+from kneegate.gateway.admission import AdmissionQueue
+from kneegate.gateway.admission_types import (
     Admitted,
     ClassPolicy,
     Queued,

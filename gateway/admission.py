@@ -26,29 +26,16 @@ from a request's arrival to its first token (a request may carry a tighter one).
 a request that cannot be admitted at once is refused (429 `over_objective`) when its
 predicted wait in the queue, (queued ahead + 1) / the measured completion rate, is more than
 its class's `queue_budget` (0.25) of the objective less the engine's recent TTFT: told at
-once, not after waiting. Why a quarter: the queue only has to cover the moment between two
-completions to keep the engine full; a request queued near the edge of its objective misses
-it on any variance, and then it had waited for nothing. In the simulator (seed 7, knee, from
-arrival) a budget of 1 / 0.75 / 0.5 / 0.25 read 0.93 / 0.96 / 0.99 / 1.05 of the oracle at
-steady 3x and 0.85 / 0.98 / 0.97 / 1.00 at cpu-tiny 3x, with TTFT p99 from arrival 2.2 / 2.2 /
-1.8 / 0.5 s; the oracle's own best wait caps are 0.25-0.5 of the objective. A queued request
-leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its objective less the
-engine's TTFT has passed, and is never dispatched after that: the engine does no work for
-a user who will see a miss or has left.
+once, not after waiting (the prediction, and why a quarter: `gateway.admission_wait`). A
+queued request leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its
+objective less the engine's TTFT has passed, and is never dispatched after that: the engine
+does no work for a user who will see a miss or has left.
 
 The safety net, for when the prediction is wrong (capacity fell, prompts grew, other
-gateways share the engine): a class's queue whose every head has waited longer than its
-target (`queue_budget` of the objective less the engine's TTFT, the wait `offer` admits
-against) for `STANDING` (4) targets in a row is a standing queue, and while it stands a
-head over target is answered 503 instead of dispatched: CoDel's test (a minimum sojourn
-above target for an interval) with its drop replaced by an answer. Chosen over newest-first
-service by measurement (`python -m kneegate.benchmarks.simulate --scenario NAME --controllers knee
---seed 7`, goodput / oracle, without the net -> CoDel -> newest-first): prompt-growth 1.50 ->
-1.60 -> 1.54 (TTFT p99 from arrival 4.3 -> 3.3 -> 3.6 s), steady-3x 1.02 -> 1.05 -> 1.07,
-four-gateways 0.82 -> 0.83 (p99 1.5 -> 0.5 s), capacity-drop 1.07 -> 1.07 -> 1.09, cpu-tiny-3x
-0.98 -> 0.98 -> 0.97, bursts 0.87 -> 0.87 -> 0.81; newest-first also leaves the oldest to
-wait out their objective before their 503, where CoDel answers them at the target. An
-interval of 2 / 3 / 8 targets read about the same (prompt-growth 1.63 / 1.59 / 1.56).
+gateways share the engine): while a class's queue stands (`StandingQueue`: every head has
+waited longer than its target, the wait `offer` admits against, for 4 targets in a row), a
+head over target is answered 503 instead of dispatched: CoDel's test with its drop replaced
+by an answer (chosen over newest-first by measurement: `gateway.admission_wait`).
 
 The queue owns each controller's lifecycle, so the gateway and the simulator feed it alike:
 `offer` tells every usable upstream's controller of the arrival (`on_arrival`), a dispatch
@@ -58,164 +45,41 @@ come in through `tick` and `engine_stats`, and `has_room_for` asks `fits`. Every
 guarded: what a controller raises goes to `on_error` (the gate logs and counts it) and
 costs that update only, never a slot or a request.
 
-Dispatch order: higher `priority` classes first, FIFO within a class. A request
-goes to the usable upstream with the most free room, measured as in-flight / limit.
-An upstream has room for a ticket while its in-flight count is under its controller's
-`limit` and the controller `fits` the ticket's prompt-size estimate beside the sizes
-already in flight there (a token budget; most controllers count requests only). A head
-that does not fit waits, and what is queued behind it waits too: FIFO, so a large
-request is never starved by smaller ones that slip past it.
+Dispatch order: higher `priority` classes first, FIFO within a class. A request goes to the
+usable upstream with room for it (`UpstreamState`: its limit, and its controller's token
+budget) that is least full, in-flight / limit (`least_full`). A head that does not fit
+waits, and what is queued behind it waits too: FIFO, so a large request is never starved by
+smaller ones that slip past it.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from kneegate.controllers.base import Controller, EngineStats, Outcome, Sample
+from kneegate.controllers.base import EngineStats, Outcome, Sample
+from kneegate.gateway.admission_types import (
+    Admitted,
+    ClassPolicy,
+    Queued,
+    Rejected,
+    Ticket,
+    UpstreamState,
+    least_full,
+    no_upstream,
+    over_objective,
+    queue_full,
+    queue_timeout,
+    shutting_down,
+)
+from kneegate.gateway.admission_wait import StandingQueue, WaitEstimate
 from kneegate.gateway.demand import Demand
 
-__all__ = [
-    "AdmissionQueue",
-    "Admitted",
-    "ClassPolicy",
-    "Queued",
-    "RejectReason",
-    "Rejected",
-    "Ticket",
-    "UpstreamState",
-]
+__all__ = ["AdmissionQueue"]
 
-
-class RejectReason(enum.Enum):
-    QUEUE_FULL = "queue_full"  # 429: capacity exists, but not now
-    QUEUE_TIMEOUT = "queue_timeout"  # 503: waited past the class's timeout or objective
-    OVER_OBJECTIVE = "over_objective"  # 429: could not be served within its objective now
-    NO_UPSTREAM = "no_upstream"  # 503: nothing usable to send to
-    SHUTTING_DOWN = "shutting_down"  # 503: the gateway is draining for shutdown
-
-
-@dataclass(frozen=True, slots=True)
-class ClassPolicy:
-    """One priority class: its rank, how long it may wait, its share of the queue."""
-
-    name: str
-    priority: int = 0  # higher is dispatched first
-    max_wait: float = 30.0  # seconds in the queue before 503
-    queue_share: float = 1.0  # fraction of the queue's capacity this class may fill
-    ttft_objective: float = math.inf  # seconds from arrival to the first token
-    queue_budget: float = 0.25  # of the objective less the engine's TTFT: the queue's part
-
-
-@dataclass(slots=True)
-class UpstreamState:
-    """One engine as admission sees it: its controller and its live in-flight count."""
-
-    name: str
-    controller: Controller
-    inflight: int = 0
-    usable: bool = True
-    inflight_tokens: int = 0  # the in-flight requests' prompt-size estimates, summed
-    refusing: bool = False  # its engine refused a request unstarted: full until a slot frees
-
-    @property
-    def fullness(self) -> float:
-        return self.inflight / max(1, self.controller.limit)
-
-    def has_room_for(self, tokens: int) -> bool:
-        """Room for one more request of `tokens` (estimated prompt tokens): usable, under
-        the limit, and within the controller's token budget. An idle upstream always has
-        room for one, whatever its budget says: nothing else would ever run."""
-        if not self.usable or self.refusing or self.inflight >= self.controller.limit:
-            return False
-        return self.inflight == 0 or self.controller.fits(
-            self.inflight, self.inflight_tokens, tokens
-        )
-
-
-@dataclass(slots=True, eq=False)
-class Ticket:
-    """One request asking for a slot. `payload` belongs to the caller (a future, a sim request)."""
-
-    cls: str
-    arrived_at: float
-    payload: Any = None
-    tokens: int = 0  # the prompt's size estimate, for controllers with a token budget
-    deadline: float = math.inf  # set when queued: leave the queue (503) by then
-    due: float = math.inf  # set when queued: never dispatched from then (its objective)
-    ttft_objective: float = math.inf  # the request's own objective (it can only tighten)
-    upstream: UpstreamState | None = None  # set at dispatch
-    dispatched_at: float | None = None
-    inflight_at_admit: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    upstream: UpstreamState
-
-
-@dataclass(frozen=True, slots=True)
-class Queued:
-    position: int  # tickets ahead of this one that will be dispatched first
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    reason: RejectReason
-    retry_after: int  # whole seconds, for the Retry-After header
-    message: str
-
-
-@dataclass
-class _CompletionRate:
-    """Exponentially weighted completions per busy second, fed by release().
-
-    The average starts at zero, so for the first half-lives it reads low in proportion to
-    the weight that empty start still has (after 2 s of 10 completions a second it read
-    1.3/s, and Retry-After said 21 s for 30 queued requests): `per_second` divides that
-    weight out, as Adam's bias correction does, once `warm` completions have been seen.
-
-    Time with nothing in flight is not counted (`resume`): an idle engine is no slower.
-    Counted, the first completion after 20 s idle cut the rate to a quarter, and the
-    predicted wait refused most of the next burst as over its objective.
-    """
-
-    half_life: float = 10.0
-    warm: int = 4
-    rate: float = 0.0
-    last: float | None = None
-    span: float = 0.0  # busy seconds seen since the first completion
-    count: int = 0
-
-    def note(self, now: float) -> None:
-        self.count += 1
-        if self.last is None:
-            self.last = now
-            return
-        # decay the old rate over dt and add this completion: for dt << half_life each
-        # completion adds ln2 / half_life, so a steady stream converges on its true rate
-        dt = max(now - self.last, 1e-6)
-        w = 0.5 ** (dt / self.half_life)
-        self.rate = w * self.rate + (1 - w) / dt
-        self.last = now
-        self.span += dt
-
-    def resume(self, now: float) -> None:
-        """Work starts again after a time with nothing in flight: that time is skipped."""
-        if self.last is not None and now > self.last:
-            self.last = now
-
-    @property
-    def per_second(self) -> float:
-        """The debiased rate; 0.0 until `warm` completions have been seen."""
-        if self.count < self.warm:
-            return 0.0
-        seen = 1 - 0.5 ** (self.span / self.half_life)
-        return self.rate / seen if seen > 0 else 0.0
+_DRAINING = -(10**9)  # the rank of a class a reload removed: after every configured class
 
 
 @dataclass
@@ -229,17 +93,12 @@ class AdmissionQueue:
     retry_after_max: int = 60
     _queues: dict[str, deque[Ticket]] = field(default_factory=dict, init=False)
     _order: list[str] = field(default_factory=list, init=False)
-    _completions: _CompletionRate = field(default_factory=_CompletionRate, init=False)
+    _wait: WaitEstimate = field(default_factory=WaitEstimate, init=False)  # rate, engine TTFT
     _late: list[Ticket] = field(default_factory=list, init=False)  # set aside by `pump`
-    engine_ttft: float = field(default=0.0, init=False)  # EWMA, dispatch to first token
-    _ttft_seen: int = field(default=0, init=False)
-    _TTFT_WEIGHT = 0.1  # of one first token in `engine_ttft`
     closed: bool = field(default=False, init=False)  # shutting down: every offer is refused
     # what a controller raised: (upstream, hook, exception); None re-raises it
     on_error: Callable[[UpstreamState, str, Exception], None] | None = None
-    # the safety net: per class, when its head last waited no more than its target
-    _short_at: dict[str, float] = field(default_factory=dict, init=False)
-    STANDING = 4.0  # targets' worth of time with every head over target: a standing queue
+    _net: StandingQueue = field(default_factory=StandingQueue, init=False)  # the safety net
     demand: Demand = field(default_factory=Demand, init=False)  # the scale-out signal's sums
 
     def __post_init__(self) -> None:
@@ -261,8 +120,7 @@ class AdmissionQueue:
         self.upstreams = list(upstreams)
         for name in classes:
             self._queues.setdefault(name, deque())
-        # a class a reload removed keeps draining, after every configured class
-        rank = {n: self.classes[n].priority if n in self.classes else -(10**9)
+        rank = {n: self.classes[n].priority if n in self.classes else _DRAINING
                 for n in self._queues}
         self._order = sorted(self._queues, key=lambda n: -rank[n])
 
@@ -279,7 +137,12 @@ class AdmissionQueue:
 
     @property
     def completion_rate(self) -> float:
-        return self._completions.per_second
+        return self._wait.completions.per_second
+
+    @property
+    def engine_ttft(self) -> float:
+        """The engine's recent TTFT, dispatch to first token: its part of a predicted wait."""
+        return self._wait.engine_ttft
 
     def _clamp(self, seconds: float) -> int:
         return int(max(self.retry_after_min, min(self.retry_after_max, math.ceil(seconds))))
@@ -290,7 +153,7 @@ class AdmissionQueue:
         From the measured completion rate; until there is one (a cold start), from the
         usable upstreams' limits, each slot assumed to free once a second.
         """
-        wait = self.queue_wait(ahead)
+        wait = self._wait.queue_wait(ahead)
         if wait is None:
             wait = (ahead + 1) / (sum(u.controller.limit for u in self.upstreams if u.usable) or 1)
         return self._clamp(wait)
@@ -310,37 +173,23 @@ class AdmissionQueue:
         if self.closed:
             return self.shutdown_rejection()
         if not any(u.usable for u in self.upstreams):
-            return Rejected(
-                RejectReason.NO_UPSTREAM,
-                self.retry_after_min,
-                "no upstream engine is usable right now; retry shortly",
-            )
+            return no_upstream(self.retry_after_min)
         ahead = self._ahead_of(cls)
         if ahead == 0:
-            up = self._pick(ticket.tokens)
+            up = least_full(self.upstreams, ticket.tokens)
             if up is not None:
                 self._dispatch(ticket, up, now)
                 return Admitted(up)
         policy = self.classes[cls]
         objective = self.objective(ticket)
-        wait = self.queue_wait(ahead)
-        budget = policy.queue_budget * (objective - self.engine_ttft)
+        wait = self._wait.queue_wait(ahead)
+        budget = self._wait.budget(policy.queue_budget, objective)
         if wait is not None and wait > budget:
             ra = self._clamp(wait - budget)
-            return Rejected(
-                RejectReason.OVER_OBJECTIVE,
-                ra,
-                f"cannot serve a first token within {objective:g}s now ({ahead} waiting, "
-                f"~{wait + self.engine_ttft:.1f}s predicted); retry after {ra}s",
-            )
+            return over_objective(objective, ahead, wait + self.engine_ttft, ra)
         if len(self._queues[cls]) >= self.capacity(cls) or self.depth() >= self.max_queue:
             ra = self.retry_after(self.depth())
-            return Rejected(
-                RejectReason.QUEUE_FULL,
-                ra,
-                f"admission queue for class '{cls}' is full "
-                f"({len(self._queues[cls])}/{self.capacity(cls)}); retry after {ra}s",
-            )
+            return queue_full(cls, len(self._queues[cls]), self.capacity(cls), ra)
         # past its objective a first token is a miss the user may not wait for: never sent
         # on, it is answered then (the engine TTFT it would still need is left for it)
         ticket.due = now + objective - self.engine_ttft
@@ -398,15 +247,11 @@ class AdmissionQueue:
 
     def free(self, upstream: UpstreamState, tokens: int = 0) -> None:
         """Give back one slot and its `tokens`; dispatches nothing (`pump` does)."""
-        upstream.refusing = False  # a request left the engine: its own queue has room again
-        upstream.inflight -= 1
-        upstream.inflight_tokens -= tokens
-        assert upstream.inflight >= 0, "released more slots than were taken"
-        assert upstream.inflight_tokens >= 0, "released more tokens than were taken"
+        upstream.free(tokens)
 
     def note_completion(self, now: float) -> None:
         """A request finished on an engine: the completion rate's evidence."""
-        self._completions.note(now)
+        self._wait.completions.note(now)
         self.demand.complete(now, sum(u.inflight for u in self.upstreams))
 
     def pump(self, now: float) -> list[Ticket]:
@@ -417,13 +262,13 @@ class AdmissionQueue:
         for name in self._order:
             q = self._queues[name]
             target = self._target(name)
-            standing = self._standing(name, target, now)
+            standing = self._net.standing(name, q[0].arrived_at if q else None, target, now)
             while q:
                 head = q[0]
                 if head.due <= now or (standing and now - head.arrived_at > target):
                     self._late.append(q.popleft())
                     continue
-                up = self._pick(head.tokens)
+                up = least_full(self.upstreams, head.tokens)
                 if up is None:
                     return out
                 q.popleft()
@@ -437,16 +282,7 @@ class AdmissionQueue:
         policy = self.classes.get(name)
         if policy is None:  # removed by a reload, draining
             return math.inf
-        return policy.queue_budget * (policy.ttft_objective - self.engine_ttft)
-
-    def _standing(self, name: str, target: float, now: float) -> bool:
-        """The safety net for wrong predictions (CoDel's idea): True once every head of the
-        class's queue has waited longer than `target` for `STANDING` x target."""
-        q = self._queues[name]
-        if not q or now - q[0].arrived_at <= target:
-            self._short_at[name] = now
-            return False
-        return now - self._short_at.setdefault(name, now) > self.STANDING * target
+        return self._wait.budget(policy.queue_budget, policy.ttft_objective)
 
     def expire(self, now: float) -> list[Ticket]:
         """Remove and return tickets whose deadline has passed (and those `pump` set aside).
@@ -469,18 +305,9 @@ class AdmissionQueue:
         late, self._late = self._late, []
         return late
 
-    def queue_wait(self, ahead: int) -> float | None:
-        """Seconds a request with `ahead` queued before it is predicted to wait for a slot:
-        their service at the measured completion rate. None until completions have been
-        measured (then nothing is refused for its objective)."""
-        rate = self._completions.per_second
-        return (ahead + 1) / rate if rate > 0 else None
-
     def note_ttft(self, seconds: float) -> None:
         """A first token came `seconds` after dispatch: the engine's part of the wait."""
-        a = self._TTFT_WEIGHT if self._ttft_seen else 1.0
-        self.engine_ttft += a * (seconds - self.engine_ttft)
-        self._ttft_seen += 1
+        self._wait.note_ttft(seconds)
 
     def withdraw(self, ticket: Ticket) -> bool:
         """Remove a queued ticket; False when it was already dispatched or expired."""
@@ -503,11 +330,7 @@ class AdmissionQueue:
         return out
 
     def shutdown_rejection(self) -> Rejected:
-        return Rejected(
-            RejectReason.SHUTTING_DOWN,
-            self.retry_after_min,
-            "kneegate is shutting down; retry (another replica can take the request)",
-        )
+        return shutting_down(self.retry_after_min)
 
     def reroute(self, ticket: Ticket, now: float) -> UpstreamState | None:
         """Move a dispatched ticket whose upstream could not be reached to another upstream
@@ -519,11 +342,7 @@ class AdmissionQueue:
         may let a queued ticket go elsewhere only through another upstream's room."""
         old = ticket.upstream
         assert old is not None, "only a dispatched ticket can be rerouted"
-        best: UpstreamState | None = None
-        for u in self.upstreams:
-            if u is not old and u.has_room_for(ticket.tokens) and (
-                    best is None or u.fullness < best.fullness):
-                best = u
+        best = least_full(self.upstreams, ticket.tokens, skip=old)
         if best is None:
             return None
         self.free(old, ticket.tokens)
@@ -558,14 +377,7 @@ class AdmissionQueue:
         policy = self.classes.get(ticket.cls)
         cap = policy.max_wait if policy else 0.0
         waited = ticket.deadline - ticket.arrived_at
-        ra = self.retry_after(self.depth())
-        why = (f"queue wait exceeded {cap:g}s" if waited >= cap - 1e-6 else
-               f"no slot in time for a first token within the objective "
-               f"({waited:.1f}s waited)")
-        return Rejected(
-            RejectReason.QUEUE_TIMEOUT, ra,
-            f"{why} for class '{ticket.cls}'; retry after {ra}s",
-        )
+        return queue_timeout(ticket.cls, cap, waited, self.retry_after(self.depth()))
 
     # --- internals -----------------------------------------------------------------
 
@@ -576,22 +388,14 @@ class AdmissionQueue:
         for name, q in self._queues.items():
             if q:
                 policy = self.classes.get(name)
-                if (policy.priority if policy is not None else -(10**9)) >= rank:
+                if (policy.priority if policy is not None else _DRAINING) >= rank:
                     ahead += len(q)
         return ahead
 
-    def _pick(self, tokens: int) -> UpstreamState | None:
-        best: UpstreamState | None = None
-        for u in self.upstreams:
-            if u.has_room_for(tokens) and (best is None or u.fullness < best.fullness):
-                best = u
-        return best
-
     def _dispatch(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
         if up.inflight == 0 and not any(u.inflight for u in self.upstreams):
-            self._completions.resume(now)  # busy again after idle
-        up.inflight += 1
-        up.inflight_tokens += ticket.tokens
+            self._wait.completions.resume(now)  # busy again after idle
+        up.take(ticket.tokens)
         ticket.upstream = up
         ticket.dispatched_at = now
         ticket.inflight_at_admit = up.inflight

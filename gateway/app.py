@@ -29,8 +29,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kneegate.gateway.admission import AdmissionQueue, ClassPolicy
-from kneegate.gateway.config import GatewayConfig, parse_reload, read_config
+from kneegate.gateway.admission import AdmissionQueue
+from kneegate.gateway.admission_types import ClassPolicy
+from kneegate.gateway.config import GatewayConfig, parse_reload
+from kneegate.gateway.config_yaml import read_config
 from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.endpoints import NO_ROUTE, own_endpoints
 from kneegate.gateway.errors import (

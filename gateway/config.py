@@ -8,255 +8,50 @@ prints and what a failed reload logs.
 An empty `upstreams` list means "no engine configured": `kneegate serve` then starts the
 built-in emulator on a loopback port and fills in one upstream pointing at it.
 
-A file is refused before validation when it cannot be a config: unreadable, not UTF-8,
-over `MAX_CONFIG_BYTES`, empty or only comments, broken YAML, nested deeper than
-`MAX_DEPTH` or expanding (through aliases) past `MAX_NODES` values. Secrets are never
-echoed: YAML errors give the problem, line and column but not the source line, and
+A file is refused before validation when it cannot be a config (`gateway.config_yaml`:
+too large, not UTF-8, empty, broken or too deep YAML). Secrets are never echoed:
 validation errors never show an API key or the admin token.
 
 `parse_reload` adds the reload's rule: a key the new file leaves out keeps the
 running `admin_token` and `api_keys` (removing them takes `admin_token: null`,
 `api_keys: {}`), so a half-written file cannot open the admin endpoints.
+
+The file's sections are modelled in `gateway.config_upstream` (`upstreams`, `timeouts`)
+and `gateway.config_sections` (`classes`, `limits`, `server`, `scale`); `GatewayConfig`,
+the whole file, is here.
 """
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from kneegate.controllers.registry import CONTROLLERS
+from kneegate.gateway.config_sections import (
+    ClassConfig,
+    Frozen,
+    LimitsConfig,
+    ScaleConfig,
+    ServerConfig,
+)
+from kneegate.gateway.config_upstream import TimeoutConfig, UpstreamConfig
+from kneegate.gateway.config_yaml import read_config
 from kneegate.gateway.errors import ConfigError
 
 __all__ = [
-    "ClassConfig",
     "GatewayConfig",
-    "LimitsConfig",
-    "ScaleConfig",
-    "ServerConfig",
-    "TimeoutConfig",
-    "UpstreamConfig",
     "load_config",
     "parse_config",
     "parse_reload",
-    "read_config",
     "split_for_worker",
     "worker_share",
 ]
 
 
-# libyaml's loader where PyYAML was built with it: ~10x faster (a reload runs on the event
-# loop); errors carry the same problem and line, and it caps nesting at 1000 itself.
-_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-MAX_CONFIG_BYTES = 1 << 20  # far above any real config (about 25,000 API keys)
-MAX_DEPTH = 32  # a config nests ~5 deep; PyYAML's loader recurses once per level
-MAX_NODES = 200_000  # values after alias expansion; a "billion laughs" file has 10**9
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-def _shown(url: str) -> str:
-    """A URL as an error message may show it: no password, no query (either may be a secret)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable URL>"
-    user, at, host = parts.netloc.rpartition("@")
-    if at and ":" in user:
-        parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")
-    return parts._replace(query="***").geturl() if parts.query else parts.geturl()
-
-
-class UpstreamConfig(_Frozen):
-    """One OpenAI-compatible engine and the controller that sets its limit."""
-
-    name: str = Field(min_length=1, description="label in metrics and status")
-    url: str = Field(description="base URL, e.g. http://10.0.0.5:8000 (no path)")
-    controller: str = Field(
-        "knee", description="controller name from controllers.registry; `fixed` to hand-tune")
-    params: dict[str, Any] = Field(default_factory=dict, description="the controller's config")
-    health_path: str = Field("/health", description="probed while the upstream is unusable")
-    scrape: bool | None = Field(
-        None, description="scrape the engine's /metrics: true always, false never; unset: "
-        "always when metrics_url is given, else when url + '/metrics' shows vLLM series")
-    metrics_url: str | None = Field(
-        None, description="engine /metrics to scrape; default url + '/metrics'")
-    scrape_interval: float = Field(
-        1.0, gt=0, le=60, description="seconds between engine scrapes (knee is tuned for 1 s)")
-    stale_after: float | None = Field(
-        None, gt=0, le=600,
-        description="engine figures older than this are not used (also the scrape timeout); "
-        "default 3 x scrape_interval")
-    stall_after: float = Field(
-        10.0, gt=0, le=3600,
-        description="running requests and no new tokens for this long: the upstream is unusable")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_metrics_url(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("scrape") and not data.get("metrics_url"):
-            url = data.get("url")
-            if isinstance(url, str):
-                return {**data, "metrics_url": url.rstrip("/") + "/metrics"}
-        return data
-
-    @field_validator("url")
-    @classmethod
-    def _url_is_http_origin(cls, v: str) -> str:
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"need an http(s) URL with a host, got {_shown(v)!r}")
-        if parts.path not in ("", "/") or parts.query:
-            raise ValueError(
-                f"give the engine's origin only (no path or query), got {_shown(v)!r}")
-        return v.rstrip("/")
-
-    @field_validator("metrics_url")
-    @classmethod
-    def _metrics_url_is_http(cls, v: str | None) -> str | None:
-        parts = urlsplit(v or "http://x")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"need an http(s) URL with a host, got {_shown(v or '')!r}")
-        return v
-
-    @model_validator(mode="after")
-    def _fresh_between_scrapes(self) -> UpstreamConfig:
-        if self.stale_after is not None and self.stale_after <= self.scrape_interval:
-            raise ValueError(
-                f"stale_after: {self.stale_after:g}s would make every figure stale before the "
-                f"next scrape; give more than scrape_interval ({self.scrape_interval:g}s)")
-        return self
-
-    @property
-    def stale_bound(self) -> float:
-        """Seconds after which scraped figures are stale: stale_after, or 3 scrape intervals."""
-        return self.stale_after if self.stale_after is not None else 3 * self.scrape_interval
-
-    @property
-    def scrape_url(self) -> str | None:
-        """The engine's /metrics URL (metrics_url, or url + '/metrics'); None with scrape: false.
-        Whether it is scraped from the start or only once detected: `scrape_detect`."""
-        if self.scrape is False:
-            return None
-        return self.metrics_url or self.url + "/metrics"
-
-    @property
-    def scrape_detect(self) -> bool:
-        """Scraped only if scrape_url shows vLLM series (neither scrape nor metrics_url set)."""
-        return self.scrape is None and self.metrics_url is None
-
-    @field_validator("controller")
-    @classmethod
-    def _controller_is_known(cls, v: str) -> str:
-        if v not in CONTROLLERS:
-            raise ValueError(f"unknown controller {v!r}; choose one of {sorted(CONTROLLERS)}")
-        return v
-
-    @field_validator("params")
-    @classmethod
-    def _params_fit_controller(cls, v: dict[str, Any], info: Any) -> dict[str, Any]:
-        name = info.data.get("controller")
-        if name in CONTROLLERS:
-            try:
-                CONTROLLERS[name][0](**v)
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                raise ValueError(f"{where}: {err['msg']}") from None
-        return v
-
-
-class ClassConfig(_Frozen):
-    """One priority class."""
-
-    priority: int = Field(0, description="higher classes are dispatched first")
-    max_wait: float = Field(30.0, gt=0, description="seconds in the queue before a 503")
-    queue_share: float = Field(1.0, gt=0, le=1, description="fraction of max_queue it may fill")
-    header: bool = Field(
-        False, description="a request may pick this class with class_header (API keys win)")
-    ttft_objective: float = Field(
-        2.0, gt=0, le=3600,
-        description="seconds from arrival to the first token; a request that cannot make it is "
-        "refused at once (429 over_objective), one queued past it is answered 503")
-    queue_budget: float = Field(
-        0.25, gt=0, le=1,
-        description="the part of the objective (less the engine's TTFT) a request may be "
-        "predicted to wait in the queue; beyond it, 429 over_objective at once")
-
-
-class TimeoutConfig(_Frozen):
-    """Upstream timeouts, seconds. None defaults to a client library's 5 s on purpose."""
-
-    connect: float = Field(10.0, gt=0, description="TCP connect to the engine")
-    first_byte: float = Field(600.0, gt=0, description="dispatch to first body byte (prefill)")
-    idle: float = Field(120.0, gt=0, description="longest silence between two body chunks")
-
-
-class LimitsConfig(_Frozen):
-    """What one client may send and hold open (nginx/Envoy-like defaults). Read when the
-    server starts: changing them needs a restart, like `server`."""
-
-    max_header_bytes: int = Field(
-        65536, ge=1024, le=16 << 20,
-        description="request line plus headers of one request, bytes; more: 431 and close")
-    max_headers: int = Field(
-        100, ge=1, le=10000, description="header fields in one request; more: 431 and close")
-    header_timeout: float = Field(
-        60.0, gt=0, le=3600,
-        description="the request head must arrive within this, from connect or its first "
-        "byte; else 408 (silent close if nothing came) and close")
-    body_timeout: float = Field(
-        60.0, gt=0, le=3600,
-        description="longest silence between two reads of a request body; else 408 and close")
-    keepalive_timeout: float = Field(
-        60.0, gt=0, le=3600,
-        description="an idle keep-alive client connection is closed after this")
-    max_connections: int = Field(
-        10000, ge=1, le=1_000_000,
-        description="open client connections per worker; a request on one more gets 503 and close")
-    max_upstream_header_bytes: int = Field(
-        65536, ge=1024, le=16 << 20,
-        description="status line plus headers of one engine response, bytes; more: 502")
-
-
-class ServerConfig(_Frozen):
-    """Where the gateway listens. Changing these needs a restart, not a reload."""
-
-    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 in a container")
-    port: int = Field(8080, ge=0, le=65535, description="0 picks a free port")
-    workers: int = Field(1, ge=1, le=64, description="processes sharing the port")
-    shutdown_grace: float = Field(
-        30.0, ge=0, le=3600,
-        description="on SIGTERM/SIGINT, seconds streams in flight may run on before they are "
-        "cut (queued requests get 503 at once); keep it under the orchestrator's kill timeout")
-    config_poll_interval: float = Field(
-        2.0, ge=0, le=3600,
-        description="seconds between checks of the --config file; a changed file is reloaded "
-        "like SIGHUP (a Kubernetes ConfigMap update too); 0: only on SIGHUP or POST reload")
-    access_log: bool = Field(True, description="one log line per proxied request")
-    log_format: Literal["text", "json"] = Field(
-        "text", description="text lines, or one JSON object per line (every record)")
-
-
-class ScaleConfig(_Frozen):
-    """The scale-out signal: kneegate_demand_ratio and kneegate_suggested_replicas
-    (gateway/demand.py). Reloadable."""
-
-    target: float = Field(
-        0.9, gt=0, le=1, description="utilisation of the engines' knee capacity that "
-        "kneegate_suggested_replicas aims at")
-    half_life: float = Field(
-        15.0, gt=0, le=3600, description="seconds: offered load and capacity are averaged "
-        "with this half-life")
-
-
-class GatewayConfig(_Frozen):
+class GatewayConfig(Frozen):
     """The whole file."""
 
     upstreams: list[UpstreamConfig] = Field(default_factory=list)
@@ -342,124 +137,9 @@ def _unknown_key(loc: tuple[int | str, ...], msg: str) -> tuple[str, str]:
     return where, f"{msg} (the key is not shown: it may be a secret, e.g. an API key)"
 
 
-def read_config(path: str | Path) -> dict[str, Any]:
-    """A YAML file's top-level mapping, or ConfigError saying why it cannot be a config."""
-    p = Path(path)
-    try:
-        with p.open("rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(str(p), "", f"cannot read: {exc.strerror or exc}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(str(p), "", f"larger than {MAX_CONFIG_BYTES} bytes: not a config file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise ConfigError(str(p), "", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} "
-                                      f"at line {line}); save the file as UTF-8") from None
-    data = _parse_yaml(text, str(p))
-    if data is None:
-        raise ConfigError(str(p), "", "the config is empty (nothing but blanks or comments); "
-                                      "write {} to mean every default")
-    if not isinstance(data, dict):
-        raise ConfigError(str(p), "", f"the top level must be a mapping, got {type(data).__name__}")
-    if "admin_token" in data and data["admin_token"] is None and _written_empty(text):
-        # `admin_token:` with nothing after it is also how a file cut short ends
-        raise ConfigError(str(p), "admin_token", "no value; give the token, or write "
-                                                 "`admin_token: null` to run without one")
-    return data
-
-
 def load_config(path: str | Path) -> GatewayConfig:
     """Read and validate a YAML file."""
     return parse_config(read_config(path), str(path))
-
-
-def _parse_yaml(text: str, source: str) -> Any:
-    try:
-        _check_shape(text, source)
-        return yaml.load(text, Loader=_LOADER)  # a safe loader: plain data only
-    except yaml.MarkedYAMLError as exc:
-        raise ConfigError(source, "", f"not valid YAML: {_yaml_problem(exc)}") from None
-    except yaml.reader.ReaderError as exc:  # a control character, e.g. a NUL
-        code = exc.character if isinstance(exc.character, int) else ord(exc.character)
-        line = text[:exc.position].count("\n") + 1
-        raise ConfigError(source, "", f"not valid YAML: character #x{code:04x} is not allowed "
-                                      f"(line {line})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, "", f"not valid YAML: {exc}") from None
-    except ValueError as exc:  # Python refuses integers of over 4300 digits
-        reason = str(exc).split(";")[0]
-        raise ConfigError(source, "", f"a value cannot be converted: {reason}") from None
-
-
-def _yaml_problem(exc: yaml.MarkedYAMLError) -> str:
-    # PyYAML's own message quotes the source line around the error, which may hold the
-    # admin token or an API key: give the problem and where it is, never the snippet.
-    text = exc.problem or "syntax error"
-    if exc.problem_mark is not None:
-        text += f" at line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1}"
-    if exc.context:
-        text += f" ({exc.context}"
-        if exc.context_mark is not None:
-            text += f" from line {exc.context_mark.line + 1}"
-        text += ")"
-    return text
-
-
-def _check_shape(text: str, source: str) -> None:
-    """Refuse YAML that costs more to load than any config needs, before loading it.
-
-    Nesting deeper than MAX_DEPTH (the loader recurses per level: 10,000 `[` raise a
-    RecursionError) and more than MAX_NODES values once aliases are expanded (the loader
-    shares aliased nodes, but validation walks every copy: a ten-line "billion laughs" file
-    never finishes). Walks the parser's events, which recurses on nothing and builds nothing.
-    """
-    sizes: dict[str, int] = {}  # anchor -> values it expands to
-    anchors: list[str | None] = []  # per open collection: its anchor,
-    counts: list[int] = []  # and the values in it so far
-    total = 0
-    for ev in yaml.parse(text, Loader=_LOADER):
-        if isinstance(ev, yaml.CollectionEndEvent):
-            anchor, n = anchors.pop(), counts.pop()
-            if anchor is not None:
-                sizes[anchor] = n
-            if counts:
-                counts[-1] += n
-            continue
-        if isinstance(ev, yaml.AliasEvent):
-            n = sizes.get(ev.anchor or "", 1)  # an alias of an open collection: 1
-        elif isinstance(ev, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
-            n = 1
-        else:
-            continue
-        total += n
-        line = ev.start_mark.line + 1 if ev.start_mark is not None else 0
-        if total > MAX_NODES:
-            raise ConfigError(source, "", f"expands to more than {MAX_NODES} values through "
-                                          f"aliases (line {line})")
-        if isinstance(ev, yaml.CollectionStartEvent):
-            if len(counts) >= MAX_DEPTH:
-                raise ConfigError(source, "", f"nested deeper than {MAX_DEPTH} levels "
-                                              f"(line {line})")
-            anchors.append(ev.anchor)
-            counts.append(1)
-            continue
-        if isinstance(ev, yaml.ScalarEvent) and ev.anchor is not None:
-            sizes[ev.anchor] = 1
-        if counts:
-            counts[-1] += n
-
-
-def _written_empty(text: str) -> bool:
-    """Whether the top-level `admin_token` is written with no value at all (not `null`)."""
-    root = yaml.compose(text, Loader=_LOADER)
-    empty = False
-    for key, value in root.value if isinstance(root, yaml.MappingNode) else ():
-        if isinstance(key, yaml.ScalarNode) and key.value == "admin_token":  # the last one wins
-            empty = isinstance(value, yaml.ScalarNode) and value.value == "" and not value.style
-    return empty
 
 
 def parse_reload(

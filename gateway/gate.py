@@ -20,8 +20,8 @@ import math
 import time
 
 from kneegate.controllers.base import EngineStats, Outcome, Sample
-from kneegate.gateway.admission import (
-    AdmissionQueue,
+from kneegate.gateway.admission import AdmissionQueue
+from kneegate.gateway.admission_types import (
     Admitted,
     Queued,
     Rejected,

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable
 from http import HTTPStatus
 
-from kneegate.gateway.config import LimitsConfig
+from kneegate.gateway.config_sections import LimitsConfig
 from kneegate.gateway.errors import (
     HeadersTooLarge,
     HTTPError,

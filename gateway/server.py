@@ -45,7 +45,8 @@ from typing import Any
 import uvicorn
 
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import GatewayConfig, LimitsConfig, split_for_worker
+from kneegate.gateway.config import GatewayConfig, split_for_worker
+from kneegate.gateway.config_sections import LimitsConfig
 from kneegate.gateway.limits import ClientLimits
 from kneegate.gateway.logs import EMBEDDED
 from kneegate.gateway.wire import KneegateHttpProtocol, WireConfig
@@ -201,7 +202,7 @@ def embedded_upstream(port: int) -> Callable[[GatewayConfig], GatewayConfig]:
     """`prepare` step: point a config without upstreams at the embedded emulator. It runs
     the default controller (`knee`) and is scraped from the start: it is known to serve
     vLLM's series, so there is nothing to detect."""
-    from kneegate.gateway.config import UpstreamConfig
+    from kneegate.gateway.config_upstream import UpstreamConfig
 
     def fill(cfg: GatewayConfig) -> GatewayConfig:
         if cfg.upstreams:

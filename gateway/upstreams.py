@@ -64,8 +64,8 @@ from typing import Any
 
 from kneegate.controllers.base import EngineStats, LimitController
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import UpstreamState
-from kneegate.gateway.config import UpstreamConfig
+from kneegate.gateway.admission_types import UpstreamState
+from kneegate.gateway.config_upstream import UpstreamConfig
 from kneegate.gateway.probe import probe, scrape
 from kneegate.gateway.telemetry import Progress, Telemetry
 from kneegate.gateway.types import Clock

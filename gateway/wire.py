@@ -48,7 +48,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from kneegate.gateway.config import LimitsConfig
+from kneegate.gateway.config_sections import LimitsConfig
 from kneegate.gateway.http10 import CloseDelimitedCycle
 from kneegate.gateway.limits import ClientLimits
 

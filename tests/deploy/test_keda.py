@@ -23,7 +23,7 @@ from deploy_exprs import metric_names
 from kubernetes_validate import utils as kv
 from prometheus_client import CollectorRegistry
 
-from kneegate.gateway.config import ScaleConfig
+from kneegate.gateway.config_sections import ScaleConfig
 from kneegate.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]

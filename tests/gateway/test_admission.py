@@ -7,8 +7,8 @@ import pytest
 from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.controllers.fixed import Fixed, FixedConfig
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import (
-    AdmissionQueue,
+from kneegate.gateway.admission import AdmissionQueue
+from kneegate.gateway.admission_types import (
     Admitted,
     ClassPolicy,
     Queued,

@@ -25,7 +25,7 @@ from prometheus_client import generate_latest
 from uvicorn.server import ServerState
 
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import LimitsConfig
+from kneegate.gateway.config_sections import LimitsConfig
 from kneegate.gateway.limits import ClientLimits
 from kneegate.gateway.wire import KneegateHttpProtocol, WireConfig
 

@@ -10,8 +10,8 @@ from gw_helpers import gw_config
 from prometheus_client import CollectorRegistry
 
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import (
-    AdmissionQueue,
+from kneegate.gateway.admission import AdmissionQueue
+from kneegate.gateway.admission_types import (
     Admitted,
     ClassPolicy,
     Rejected,

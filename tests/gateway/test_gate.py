@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry
 
 from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import AdmissionQueue, ClassPolicy
+from kneegate.gateway.admission import AdmissionQueue
+from kneegate.gateway.admission_types import ClassPolicy
 from kneegate.gateway.errors import QueueFull, QueueTimeout
 from kneegate.gateway.gate import Gate, Permit
 from kneegate.gateway.metrics import GatewayMetrics

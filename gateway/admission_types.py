@@ -1,0 +1,190 @@
+"""The admission queue's values: what it is asked, what it answers, and what it holds.
+
+A `Ticket` is one request asking for a slot; `offer` answers it `Admitted(upstream)`,
+`Queued(position)` or `Rejected(reason, retry_after, message)`. A `ClassPolicy` is one
+priority class as the queue applies it, an `UpstreamState` one engine as the queue sees it:
+its controller and the requests (and their prompt-size estimates) in flight there.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kneegate.controllers.base import Controller
+
+__all__ = [
+    "Admitted",
+    "ClassPolicy",
+    "Queued",
+    "RejectReason",
+    "Rejected",
+    "Ticket",
+    "UpstreamState",
+    "least_full",
+    "no_upstream",
+    "over_objective",
+    "queue_full",
+    "queue_timeout",
+    "shutting_down",
+]
+
+
+class RejectReason(enum.Enum):
+    QUEUE_FULL = "queue_full"  # 429: capacity exists, but not now
+    QUEUE_TIMEOUT = "queue_timeout"  # 503: waited past the class's timeout or objective
+    OVER_OBJECTIVE = "over_objective"  # 429: could not be served within its objective now
+    NO_UPSTREAM = "no_upstream"  # 503: nothing usable to send to
+    SHUTTING_DOWN = "shutting_down"  # 503: the gateway is draining for shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPolicy:
+    """One priority class: its rank, how long it may wait, its share of the queue."""
+
+    name: str
+    priority: int = 0  # higher is dispatched first
+    max_wait: float = 30.0  # seconds in the queue before 503
+    queue_share: float = 1.0  # fraction of the queue's capacity this class may fill
+    ttft_objective: float = math.inf  # seconds from arrival to the first token
+    queue_budget: float = 0.25  # of the objective less the engine's TTFT: the queue's part
+
+
+@dataclass(slots=True)
+class UpstreamState:
+    """One engine as admission sees it: its controller and its live in-flight count.
+
+    It has room for a ticket while its in-flight count is under its controller's `limit`
+    and the controller `fits` the ticket's prompt-size estimate beside the sizes already in
+    flight there (a token budget; most controllers count requests only)."""
+
+    name: str
+    controller: Controller
+    inflight: int = 0
+    usable: bool = True
+    inflight_tokens: int = 0  # the in-flight requests' prompt-size estimates, summed
+    refusing: bool = False  # its engine refused a request unstarted: full until a slot frees
+
+    @property
+    def fullness(self) -> float:
+        return self.inflight / max(1, self.controller.limit)
+
+    def has_room_for(self, tokens: int) -> bool:
+        """Room for one more request of `tokens` (estimated prompt tokens): usable, under
+        the limit, and within the controller's token budget. An idle upstream always has
+        room for one, whatever its budget says: nothing else would ever run."""
+        if not self.usable or self.refusing or self.inflight >= self.controller.limit:
+            return False
+        return self.inflight == 0 or self.controller.fits(
+            self.inflight, self.inflight_tokens, tokens
+        )
+
+    def take(self, tokens: int) -> None:
+        """One more request in flight here, of `tokens` (its prompt-size estimate)."""
+        self.inflight += 1
+        self.inflight_tokens += tokens
+
+    def free(self, tokens: int) -> None:
+        """One request of `tokens` left: its slot, and room in the engine's own queue."""
+        self.refusing = False  # a request left the engine: its own queue has room again
+        self.inflight -= 1
+        self.inflight_tokens -= tokens
+        assert self.inflight >= 0, "released more slots than were taken"
+        assert self.inflight_tokens >= 0, "released more tokens than were taken"
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request asking for a slot. `payload` belongs to the caller (a future, a sim request)."""
+
+    cls: str
+    arrived_at: float
+    payload: Any = None
+    tokens: int = 0  # the prompt's size estimate, for controllers with a token budget
+    deadline: float = math.inf  # set when queued: leave the queue (503) by then
+    due: float = math.inf  # set when queued: never dispatched from then (its objective)
+    ttft_objective: float = math.inf  # the request's own objective (it can only tighten)
+    upstream: UpstreamState | None = None  # set at dispatch
+    dispatched_at: float | None = None
+    inflight_at_admit: int = 0
+
+
+def least_full(upstreams: list[UpstreamState], tokens: int,
+               skip: UpstreamState | None = None) -> UpstreamState | None:
+    """The upstream with room for `tokens` that is least full (in-flight / limit), `skip`
+    aside; None when none has room. The first of equals wins."""
+    best: UpstreamState | None = None
+    for u in upstreams:
+        if u is not skip and u.has_room_for(tokens) and (
+                best is None or u.fullness < best.fullness):
+            best = u
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    upstream: UpstreamState
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    position: int  # tickets ahead of this one that will be dispatched first
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    reason: RejectReason
+    retry_after: int  # whole seconds, for the Retry-After header
+    message: str
+
+
+# --- each refusal, in words for the client (the OpenAI-style error body's message) ---------
+
+
+def no_upstream(retry_after: int) -> Rejected:
+    return Rejected(
+        RejectReason.NO_UPSTREAM,
+        retry_after,
+        "no upstream engine is usable right now; retry shortly",
+    )
+
+
+def shutting_down(retry_after: int) -> Rejected:
+    return Rejected(
+        RejectReason.SHUTTING_DOWN,
+        retry_after,
+        "kneegate is shutting down; retry (another replica can take the request)",
+    )
+
+
+def over_objective(objective: float, ahead: int, predicted: float, retry_after: int) -> Rejected:
+    """`predicted`: seconds to a first token, the queue's wait and the engine's TTFT."""
+    return Rejected(
+        RejectReason.OVER_OBJECTIVE,
+        retry_after,
+        f"cannot serve a first token within {objective:g}s now ({ahead} waiting, "
+        f"~{predicted:.1f}s predicted); retry after {retry_after}s",
+    )
+
+
+def queue_full(cls: str, queued: int, capacity: int, retry_after: int) -> Rejected:
+    return Rejected(
+        RejectReason.QUEUE_FULL,
+        retry_after,
+        f"admission queue for class '{cls}' is full "
+        f"({queued}/{capacity}); retry after {retry_after}s",
+    )
+
+
+def queue_timeout(cls: str, cap: float, waited: float, retry_after: int) -> Rejected:
+    """A queued request left the queue after `waited` seconds: its class's wait `cap`, or
+    too late for a first token within its objective."""
+    why = (f"queue wait exceeded {cap:g}s" if waited >= cap - 1e-6 else
+           f"no slot in time for a first token within the objective "
+           f"({waited:.1f}s waited)")
+    return Rejected(
+        RejectReason.QUEUE_TIMEOUT, retry_after,
+        f"{why} for class '{cls}'; retry after {retry_after}s",
+    )
