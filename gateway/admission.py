@@ -111,12 +111,16 @@ class AdmissionQueue:
         classes: dict[str, ClassPolicy],
         max_queue: int,
         upstreams: list[UpstreamState],
+        retry_after: tuple[int, int] | None = None,
     ) -> None:
-        """Swap policy without losing queued tickets (a removed class keeps draining)."""
+        """Swap policy without losing queued tickets (a removed class keeps draining);
+        `retry_after`: the (min, max) Retry-After clamp, kept when None."""
         if not classes:
             raise ValueError("at least one priority class is needed")
         self.classes = dict(classes)
         self.max_queue = max_queue
+        if retry_after is not None:
+            self.retry_after_min, self.retry_after_max = retry_after
         self.upstreams = list(upstreams)
         for name in classes:
             self._queues.setdefault(name, deque())

@@ -24,14 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from kneegate.gateway.admission import AdmissionQueue
 from kneegate.gateway.admission_types import ClassPolicy
-from kneegate.gateway.config import GatewayConfig, parse_reload
+from kneegate.gateway.config import GatewayConfig, Prepare, parse_reload
 from kneegate.gateway.config_yaml import read_config
 from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.endpoints import NO_ROUTE, own_endpoints
@@ -65,7 +64,6 @@ log = logging.getLogger("kneegate")
 
 # Turns a freshly loaded file into what this process runs (CLI flags, the embedded
 # upstream, this worker's share); applied on every reload too.
-Prepare = Callable[[GatewayConfig], GatewayConfig]
 
 
 def _policies(cfg: GatewayConfig) -> dict[str, ClassPolicy]:
@@ -125,7 +123,6 @@ class Gateway:
         return self.queue.demand.estimate(now, limits, self.config.scale.target)
 
     async def start(self) -> None:
-        await self.client.start()
         await self.pool.first_contact(self.client)  # so /ready knows who answers
         self._ticker = asyncio.create_task(self._tick_loop())
         interval = self.config.server.config_poll_interval
@@ -209,10 +206,9 @@ class Gateway:
             log.warning("client limits changed; they take effect only after a restart")
             new = new.model_copy(update={"limits": self.config.limits})
         ups = self.pool.reload(new.upstreams)
-        self.queue.reconfigure(_policies(new), new.max_queue, list(ups))
+        self.queue.reconfigure(_policies(new), new.max_queue, list(ups),
+                               (new.retry_after_min, new.retry_after_max))
         self.metrics.set_objectives({n: c.ttft_objective for n, c in new.classes.items()})
-        self.queue.retry_after_min = new.retry_after_min
-        self.queue.retry_after_max = new.retry_after_max
         self.queue.demand.half_life = new.scale.half_life
         self.client.set_connect_timeout(new.timeouts.connect)
         self.proxy.settings = ProxySettings.from_config(new)

@@ -24,6 +24,7 @@ the whole file, is here.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from kneegate.gateway.errors import ConfigError
 
 __all__ = [
     "GatewayConfig",
+    "Prepare",
     "load_config",
     "parse_config",
     "parse_reload",
@@ -93,6 +95,11 @@ class GatewayConfig(Frozen):
         if self.retry_after_min > self.retry_after_max:
             raise ValueError("retry_after_min: must not exceed retry_after_max")
         return self
+
+
+# turns a loaded file into the config a process runs (the CLI's flags, a worker's share, the
+# embedded upstream): given to the gateway and the server, applied again at each reload
+Prepare = Callable[[GatewayConfig], GatewayConfig]
 
 
 _FIELD_NAMES = sorted({name for m in (GatewayConfig, UpstreamConfig, ClassConfig, TimeoutConfig,

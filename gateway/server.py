@@ -45,7 +45,7 @@ from typing import Any
 import uvicorn
 
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import GatewayConfig, split_for_worker
+from kneegate.gateway.config import GatewayConfig, Prepare, split_for_worker
 from kneegate.gateway.config_sections import LimitsConfig
 from kneegate.gateway.limits import ClientLimits
 from kneegate.gateway.logs import EMBEDDED
@@ -58,7 +58,6 @@ __all__ = [
 
 log = logging.getLogger("kneegate")
 
-Prepare = Callable[[GatewayConfig], GatewayConfig]
 EngineApp = Callable[[], Any]  # builds the embedded engine's ASGI app (in its process)
 
 # uvicorn's own wait outlasts the grace by this much, so the gateway's cut (a clean abort,

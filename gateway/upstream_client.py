@@ -97,9 +97,6 @@ class UpstreamClient:
     def set_connect_timeout(self, seconds: float) -> None:
         self.connect_timeout = seconds
 
-    async def start(self) -> None:
-        pass
-
     async def close(self) -> None:
         for conns in list(self._idle.values()):
             for c in list(conns):

@@ -92,7 +92,6 @@ class Upstream(UpstreamState):
     backoff: float = _BACKOFF_MIN
     next_probe_at: float = 0.0
     next_scrape_at: float = 0.0
-    engine: EngineStats | None = None  # the last good scrape
     progress: Progress | None = None  # None when this upstream is not scraped
     scraping: bool | None = False  # scraped; None: detecting (see the module docstring)
     healthy: bool = True  # connects and answers /health
@@ -227,7 +226,7 @@ class UpstreamPool:
             if _telemetry_key(prev) != _telemetry_key(cfg):
                 up.scraping = _scraping(cfg)
                 up.progress = _progress(cfg) if up.scraping else None
-                up.engine, up.stalled = None, False
+                up.stalled = False
                 up.refresh_usable()
             up.url, up.config = cfg.url, cfg
             new.append(up)
@@ -332,7 +331,6 @@ class UpstreamPool:
         """Take one good scrape: keep it, feed the controller, judge progress."""
         if up.progress is None or up.config is None:
             return  # a reload turned scraping off while this scrape ran
-        up.engine = stats
         up.progress.note(stats)
         self.feed_engine(up, stats)
         stalled = up.progress.stuck(now)
