@@ -17,9 +17,9 @@ from typing import Any
 
 import jsonschema
 import pytest
-import referencing
 import yaml
 from deploy_exprs import metric_names
+from k8s_schemas import core_schema
 from kubernetes_validate import utils as kv
 from prometheus_client import CollectorRegistry
 
@@ -76,12 +76,6 @@ def _doc() -> dict[str, Any]:
     return dict(doc)
 
 
-def _core_schema(name: str, version: str) -> tuple[Any, referencing.Registry[Any]]:
-    where = f"kubernetes-json-schema/v{version}-local-strict"
-    schema = kv.schema_contents(f"{where}/{name}.json", version)
-    defs = kv.schema_contents(f"{where}/_definitions.json", version)
-    registry = referencing.Resource.from_contents(defs) @ referencing.Registry()
-    return schema, registry
 
 
 def test_scaled_object_has_the_fields_keda_needs() -> None:
@@ -101,7 +95,7 @@ def test_metadata_and_hpa_behaviour_are_valid_kubernetes(version: str) -> None:
     behavior = doc["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     for part, name in ((doc["metadata"], "objectmeta-meta-v1"),
                        (behavior, "horizontalpodautoscalerbehavior-autoscaling-v2")):
-        schema, registry = _core_schema(name, version)
+        schema, registry = core_schema(name, version)
         jsonschema.Draft202012Validator(schema, registry=registry).validate(part)
 
 

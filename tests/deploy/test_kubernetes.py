@@ -20,8 +20,8 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import referencing
 import yaml
+from k8s_schemas import core_schema
 from kubernetes_validate import utils as kv
 
 from kneegate.cli import main as kneegate
@@ -70,12 +70,6 @@ def test_kustomization_lists_every_manifest() -> None:
 
 # --- the ServiceMonitor ------------------------------------------------------------------
 
-def _core_schema(name: str, version: str) -> tuple[Any, referencing.Registry[Any]]:
-    where = f"kubernetes-json-schema/v{version}-local-strict"
-    schema = kv.schema_contents(f"{where}/{name}.json", version)
-    defs = kv.schema_contents(f"{where}/_definitions.json", version)
-    registry = referencing.Resource.from_contents(defs) @ referencing.Registry()
-    return schema, registry
 
 
 # the fields of the CRD's Endpoint this manifest uses (prometheus-operator v0.84.1)
@@ -114,7 +108,7 @@ def test_service_monitor_is_valid_as_far_as_schemas_go(version: str) -> None:
     jsonschema.Draft202012Validator(SERVICE_MONITOR).validate(sm)
     for part, name in ((sm["metadata"], "objectmeta-meta-v1"),
                        (sm["spec"]["selector"], "labelselector-meta-v1")):
-        schema, registry = _core_schema(name, version)
+        schema, registry = core_schema(name, version)
         jsonschema.Draft202012Validator(schema, registry=registry).validate(part)
 
 
