@@ -7,9 +7,9 @@ import time
 import httpx
 import openai
 import pytest
+from helpers.uvicorn_thread import serve
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import serve
 from kneegate.benchmarks.engine.__main__ import count, make_app, parse_args
 from kneegate.benchmarks.engine.server import build_app
 from kneegate.gateway.telemetry import parse_engine_metrics

@@ -7,8 +7,8 @@ import json
 import time
 
 import pytest
+from helpers.uvicorn_thread import serve
 
-from conftest import serve
 from kneegate.benchmarks.engine.core import EngineCore
 from kneegate.benchmarks.engine.profiles import load_profile
 from kneegate.benchmarks.engine.server import build_app

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from ctl_helpers import feed, make_sample, scrape
+from helpers.controllers import feed, make_sample, scrape
 from pydantic import ValidationError
 
 from kneegate.controllers import Aimd, AimdConfig, Outcome

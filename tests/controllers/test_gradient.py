@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from ctl_helpers import scrape, window
+from helpers.controllers import scrape, window
 
 from kneegate.controllers import Gradient, GradientConfig, Outcome
 

@@ -4,7 +4,7 @@ import json
 from collections.abc import Callable
 
 import pytest
-from ctl_helpers import scrape, window
+from helpers.controllers import scrape, window
 
 from kneegate.controllers import Knee, KneeConfig, Outcome
 

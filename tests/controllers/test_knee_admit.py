@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from ctl_helpers import make_sample, window
+from helpers.controllers import make_sample, window
 
 from kneegate.controllers import (
     CONTROLLERS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ctl_helpers import scrape, window
+from helpers.controllers import scrape, window
 
 from kneegate.controllers import Knee, KneeConfig
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from ctl_helpers import make_sample, scrape, window
+from helpers.controllers import make_sample, scrape, window
 
 from kneegate.controllers import Knee, KneeConfig
 

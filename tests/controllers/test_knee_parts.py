@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from ctl_helpers import make_sample, scrape
+from helpers.controllers import make_sample, scrape
 
 from kneegate.controllers import knee
 from kneegate.controllers.knee import KneeConfig

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ctl_helpers import make_sample, scrape
+from helpers.controllers import make_sample, scrape
 
 from kneegate.controllers import BaseControllerConfig, GradientConfig, Outcome
 from kneegate.controllers.window import Summary, Window, Windowed

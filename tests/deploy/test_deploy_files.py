@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_exprs import (
+from helpers.deploy import (
     RULE_TESTS,
     alert_rules,
     alert_signal,

@@ -18,8 +18,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from deploy_exprs import metric_names
-from k8s_schemas import core_schema
+from helpers.deploy import metric_names
+from helpers.k8s_schemas import core_schema
 from kubernetes_validate import utils as kv
 from prometheus_client import CollectorRegistry
 

@@ -21,7 +21,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_schemas import core_schema
+from helpers.k8s_schemas import core_schema
 from kubernetes_validate import utils as kv
 
 from kneegate.cli import main as kneegate

@@ -33,7 +33,7 @@ import aiohttp
 import httpx
 import pytest
 import yaml
-from deploy_exprs import (
+from helpers.deploy import (
     RULE_TESTS,
     RULES,
     alert_rules,

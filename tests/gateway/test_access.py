@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from gw_helpers import FakeEngine, assert_conserved
+from helpers.gateway import FakeEngine, assert_conserved
 from test_proxy import _rig
 
 from kneegate.gateway.config import load_config

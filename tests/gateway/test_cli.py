@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import FakeEngine, serve
+from helpers.gateway import FakeEngine, serve
 
 pytestmark = pytest.mark.anyio
 

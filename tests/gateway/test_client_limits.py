@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 import pytest
-from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
+from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 from prometheus_client import generate_latest
 from uvicorn.server import ServerState
 

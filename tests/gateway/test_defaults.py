@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import FakeEngine, assert_conserved, scrape, serve, total
+from helpers.gateway import FakeEngine, assert_conserved, scrape, serve, total
 
 from kneegate.cli import _parser, apply_flags
 from kneegate.controllers.knee import KneeConfig

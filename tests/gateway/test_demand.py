@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from gw_helpers import gw_config
+from helpers.gateway import gw_config
 from prometheus_client import CollectorRegistry
 
 from kneegate.controllers.registry import build_controller

@@ -12,7 +12,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from gw_helpers import gw_config, scrape, serve, total
+from helpers.gateway import gw_config, scrape, serve, total
 
 from kneegate.gateway.app import KneegateApp, build_app
 

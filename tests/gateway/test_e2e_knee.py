@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import gw_config, scrape, serve, total
+from helpers.gateway import gw_config, scrape, serve, total
 
 from kneegate.gateway.app import build_app
 

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import answer_lifespan, gw_config, scrape, serve, total
+from helpers.gateway import answer_lifespan, gw_config, scrape, serve, total
 from prometheus_client import CollectorRegistry
 
 from kneegate.controllers.base import EngineStats

@@ -18,8 +18,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from faulty_upstream import FaultyUpstream, faulty_upstream
-from gw_helpers import assert_conserved, gw_config, scrape, serve, total
+from helpers.faulty_upstream import FaultyUpstream, faulty_upstream
+from helpers.gateway import assert_conserved, gw_config, scrape, serve, total
 
 from kneegate.controllers.base import Sample
 from kneegate.gateway.app import KneegateApp, build_app

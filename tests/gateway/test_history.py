@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import FakeEngine, assert_conserved
+from helpers.gateway import FakeEngine, assert_conserved
 from prometheus_client import CollectorRegistry
 from test_proxy import _rig
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gw_helpers import FakeEngine, gw_config, serve
+from helpers.gateway import FakeEngine, gw_config, serve
 
 from kneegate.gateway.access import AccessLog
 from kneegate.gateway.app import build_app

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import anyio
 import httpx
 import pytest
-from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
+from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 
 from kneegate.gateway.app import build_app
 

@@ -13,7 +13,7 @@ import json
 import anyio
 import httpx
 import pytest
-from gw_helpers import FakeEngine, gw_config, serve
+from helpers.gateway import FakeEngine, gw_config, serve
 
 from kneegate.gateway.app import build_app
 

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 import pytest
-from gw_helpers import FakeEngine, assert_conserved
+from helpers.gateway import FakeEngine, assert_conserved
 from test_proxy import Rig, _rig
 
 from kneegate.gateway.forwarding import normalise_path, proxied_path

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
+from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config import load_config

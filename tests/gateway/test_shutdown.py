@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import FakeEngine, assert_conserved, gw_config, scrape, serve, total
+from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 from prometheus_client import generate_latest
 from test_cli import free_port, until_up
 

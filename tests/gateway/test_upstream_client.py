@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 import pytest
-from faulty_upstream import blackhole
+from helpers.faulty_upstream import blackhole
 
 from kneegate.gateway.errors import (
     UpstreamConnectError,

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gw_helpers import FakeEngine, scrape, serve, total
+from helpers.gateway import FakeEngine, scrape, serve, total
 
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config import load_config

@@ -19,7 +19,7 @@ import anyio
 import httptools
 import httpx
 import pytest
-from gw_helpers import FakeEngine, answer_lifespan, gw_config, serve
+from helpers.gateway import FakeEngine, answer_lifespan, gw_config, serve
 from uvicorn.protocols.http.flow_control import FlowControl
 
 from kneegate.gateway.app import build_app

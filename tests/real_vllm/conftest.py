@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-# the gateway tests' helpers: serve(app) on 127.0.0.1:0, scrape(), total()
-sys.path.insert(0, str(HERE.parent / "gateway"))
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE))  # vllm_server, also for benchmarks.calibrate_vllm's --start
 
 from vllm_server import HOME, VllmServer, running_vllm  # noqa: E402
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import anyio
 import pytest
-from gw_helpers import serve
+from helpers.gateway import serve
 from vllm_server import VllmServer
 
 from kneegate.benchmarks.calibrate_vllm import RealPoint, knee_of, sweep_engine

@@ -16,7 +16,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from gw_helpers import gw_config, scrape, serve, total
+from helpers.gateway import gw_config, scrape, serve, total
 from vllm_server import VllmServer
 
 from kneegate.gateway.app import build_app

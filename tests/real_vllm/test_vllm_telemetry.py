@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from gw_helpers import scrape, serve, total
+from helpers.gateway import scrape, serve, total
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_server import VllmServer
 
