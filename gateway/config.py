@@ -103,7 +103,8 @@ Prepare = Callable[[GatewayConfig], GatewayConfig]
 
 
 _FIELD_NAMES = sorted({name for m in (GatewayConfig, UpstreamConfig, ClassConfig, TimeoutConfig,
-                                       ServerConfig, ScaleConfig) for name in m.model_fields})
+                                       ServerConfig, ScaleConfig, LimitsConfig)
+                        for name in m.model_fields})
 
 
 def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:

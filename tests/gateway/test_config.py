@@ -52,6 +52,7 @@ def test_defaults_need_no_file() -> None:
         ({"classes": {"a": {"queue_share": 2}}, "default_class": "a"},
          "classes.a.queue_share", "less than or equal to 1"),
         ({"sever": {}}, "sever", "Extra inputs are not permitted (did you mean 'server'?)"),
+        ({"limits": {"max_header": 1}}, "limits.max_header", "did you mean 'max_headers'?"),
         ({"sk-live-0123abcd": "batch"}, "<unknown key>", "the key is not shown"),
         ({"timeouts": {"sk_live_0123": 1}}, "timeouts.<unknown key>", "not shown"),
         ([1, 2], "", "mapping"),
