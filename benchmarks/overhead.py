@@ -8,7 +8,10 @@ with `--repeat N` the medians of N rounds.
     python -m kneegate.benchmarks.overhead                      # the full matrix (~5 minutes)
     python -m kneegate.benchmarks.overhead --quick              # 256 realistic only
 
-Load shapes: `short` = 16 events, no delay; `realistic` = 64 events at 20 ms. The fixed limit is
+Load shapes: `short` = 16 events, no delay; `realistic` = 64 events at 20 ms; `burst` = the
+realistic stream, but every worker starts at once and they stay in waves (a batch job
+starting, or clients whose Retry-After ran out in the same second): its TTFT columns are
+what a burst of that many new streams waits for its first byte. The fixed limit is
 set far above the offered concurrency, so admission never queues: this measures the relay.
 The workers' first requests are spread over one stream's duration (1.28 s for realistic), so
 completions arrive at an even rate; `--lockstep` starts them together, as before 2026-11-30:
@@ -35,7 +38,8 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-SHAPES = {"short": (16, 0.0), "realistic": (64, 0.02)}
+SHAPES = {"short": (16, 0.0), "realistic": (64, 0.02), "burst": (64, 0.02)}
+BURSTS = {"burst"}  # shapes whose streams all start together, in waves (issue 16)
 CLIENT_CORE, PROXY_CORES = "0", "1"
 
 
@@ -181,7 +185,7 @@ def _cell(target: str, shape: str, conc: int, port: int, seconds: float,
     `rawhttp.run_load`), unless `lockstep`: then all start at once and stay in waves.
     """
     events, interval = SHAPES[shape]
-    stagger = 0.0 if lockstep else events * interval
+    stagger = 0.0 if lockstep or shape in BURSTS else events * interval
     cmd = [*_pin(CLIENT_CORE), sys.executable, "-m", "kneegate.benchmarks.rawhttp", "load",
            "--url", f"http://127.0.0.1:{port}/v1/completions",
            "--concurrency", str(conc), "--seconds", str(seconds),
