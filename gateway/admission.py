@@ -194,12 +194,16 @@ class AdmissionQueue:
         if len(self._queues[cls]) >= self.capacity(cls) or self.depth() >= self.max_queue:
             ra = self.retry_after(self.depth())
             return queue_full(cls, len(self._queues[cls]), self.capacity(cls), ra)
-        # past its objective a first token is a miss the user may not wait for: never sent
-        # on, it is answered then (the engine TTFT it would still need is left for it)
-        ticket.due = now + objective - self.engine_ttft
-        ticket.deadline = min(now + policy.max_wait, ticket.due)
+        ticket.due, ticket.deadline = self._due(ticket, policy, now)
         self._queues[cls].append(ticket)
         return Queued(ahead)
+
+    def _due(self, ticket: Ticket, policy: ClassPolicy, since: float) -> tuple[float, float]:
+        """(due, deadline) of `ticket` queued at `since`. Past `due` a first token is a miss
+        the user may not wait for: never sent on, it is answered then (the engine TTFT it
+        would still need is left for it); `deadline` also holds the class's wait cap."""
+        due = since + self.objective(ticket) - self.engine_ttft
+        return due, min(since + policy.max_wait, due)
 
     def objective(self, ticket: Ticket) -> float:
         """Seconds from arrival to the first token that `ticket` must meet: its class's
@@ -366,14 +370,13 @@ class AdmissionQueue:
         assert up is not None, "only a dispatched ticket can be requeued"
         if policy is None or self.closed:
             return False
-        due = ticket.arrived_at + self.objective(ticket) - self.engine_ttft
+        due, deadline = self._due(ticket, policy, ticket.arrived_at)
         if now >= due:
             return False
         self.free(up, ticket.tokens)
         up.refusing = True
         ticket.upstream, ticket.dispatched_at = None, None
-        ticket.due = due
-        ticket.deadline = min(ticket.arrived_at + policy.max_wait, due)
+        ticket.due, ticket.deadline = due, deadline
         self._queues[ticket.cls].appendleft(ticket)
         return True
 

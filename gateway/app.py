@@ -74,6 +74,10 @@ def _policies(cfg: GatewayConfig) -> dict[str, ClassPolicy]:
     }
 
 
+def _objectives(cfg: GatewayConfig) -> dict[str, float]:
+    return {name: c.ttft_objective for name, c in cfg.classes.items()}
+
+
 class Gateway:
     """Everything one gateway process holds, built from a config."""
 
@@ -98,7 +102,7 @@ class Gateway:
         self.queue.demand.half_life = config.scale.half_life
         self.gate = Gate(self.queue, self.metrics, clock)
         self.pool.feed_engine = self.gate.engine_stats
-        self.metrics.set_objectives({n: c.ttft_objective for n, c in config.classes.items()})
+        self.metrics.set_objectives(_objectives(config))
         self.client = UpstreamClient(
             config.timeouts.connect, max_header_bytes=config.limits.max_upstream_header_bytes)
         self.proxy = Proxy(ProxySettings.from_config(config), self.gate, self.pool, self.client,
@@ -208,7 +212,7 @@ class Gateway:
         ups = self.pool.reload(new.upstreams)
         self.queue.reconfigure(_policies(new), new.max_queue, list(ups),
                                (new.retry_after_min, new.retry_after_max))
-        self.metrics.set_objectives({n: c.ttft_objective for n, c in new.classes.items()})
+        self.metrics.set_objectives(_objectives(new))
         self.queue.demand.half_life = new.scale.half_life
         self.client.set_connect_timeout(new.timeouts.connect)
         self.proxy.settings = ProxySettings.from_config(new)
