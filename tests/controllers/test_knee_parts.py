@@ -149,12 +149,9 @@ def test_a_climb_is_judged_only_from_throughput_that_was_measured(
     # logarithm of the ratio raised ZeroDivisionError / ValueError and cost every window's
     # update until the level aged out
     from kneegate.controllers.knee import Knee, Point
-    from kneegate.controllers.window import Summary
 
     k = Knee(KneeConfig())
     k._moved_up, k._curve.engine_mode = True, True
     k._curve.points = {0: Point(4.0, top_tput, None, None, False, 0.0, True)}
-    w = Summary(start=0.0, end=5.0, samples=0, inflight=10.0, max_inflight=10, saturated=1.0,
-                throughput=0.0, ttft_p90=None, tpot_p50=None, ttft_mean=None, tpot_mean=None,
-                drops=0, distress=False, engine_inflight=10.0, engine_throughput=tput)
+    w = summary(inflight=10.0, max_inflight=10, engine_inflight=10.0, engine_throughput=tput)
     assert k._climbed(w, 10.0) is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.controllers import make_sample
 
 from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.controllers.fixed import Fixed, FixedConfig
@@ -353,10 +354,6 @@ def _recorded(limit: int = 1
     return q, up, ctl, errors
 
 
-def _sample(outcome: Outcome = Outcome.OK) -> Sample:
-    return Sample(admitted_at=0.0, duration=1.0, ttft=0.2, prompt_tokens=5, output_tokens=7,
-                  inflight_at_admit=1, outcome=outcome)
-
 
 def test_the_queue_makes_every_controller_call_in_its_order() -> None:
     q, up, ctl, errors = _recorded()
@@ -366,14 +363,14 @@ def test_the_queue_makes_every_controller_call_in_its_order() -> None:
     assert ctl.calls == [("on_arrival", 30, 0), ("on_admit", 30, 1),  # dispatched at once
                          ("on_arrival", 40, 1)]  # queued: no admission yet
     ctl.calls.clear()
-    assert q.release(up, 1.0, 30, _sample()) == [second]
+    assert q.release(up, 1.0, 30, make_sample()) == [second]
     # the slot is free before the sample is fed, and the next is admitted after it
     assert ctl.calls == [("on_sample", Outcome.OK, 0), ("on_admit", 40, 1)]
     assert q.engine_ttft == 0.2  # a first token: the engine's part of a predicted wait
     ctl.calls.clear()
     q.engine_stats(up, EngineStats(1.0, 3, 0, 0.1, 0, 100))
     assert q.tick(1.5) == ([], [])
-    assert q.release(up, 2.0, 40, _sample(Outcome.CLIENT_CANCELLED)) == []
+    assert q.release(up, 2.0, 40, make_sample(outcome=Outcome.CLIENT_CANCELLED)) == []
     assert ctl.calls == [("on_engine_stats", 3, 1), ("on_tick", 1.5, 1)]  # a client's: none
     assert errors == []
 
@@ -384,7 +381,7 @@ def test_a_controller_that_raises_costs_its_update_never_a_slot() -> None:
     t = Ticket("lo", 0.0)
     assert q.offer(t, 0.0) == Admitted(up)  # admitted, though both of its calls raised
     q.offer(Ticket("lo", 0.1), 0.1)
-    assert len(q.release(up, 1.0, 0, _sample())) == 1  # freed and the next dispatched
+    assert len(q.release(up, 1.0, 0, make_sample())) == 1  # freed and the next dispatched
     q.tick(1.5)
     q.engine_stats(up, EngineStats(1.0, 3, 0, 0.1, 0, 100))
     assert [e[1] for e in errors] == ["on_arrival", "on_admit", "on_arrival", "on_sample",
