@@ -205,6 +205,7 @@ class _Req:
     done: float = math.nan
     tokens: int = 0
     fate: str = "pending"  # pending | done | shed | timeout
+    ticket: Ticket | None = None  # its place in the gateway's queue
 
 
 @dataclass
@@ -401,12 +402,14 @@ class _Sim:
         self.all.append(r)
         # the true prompt size: the gateway's bytes / 4 differs by a constant factor, and
         # knee uses ratios of sizes only (the queue tells the controller, as in the gateway)
-        ticket = Ticket(cls, t, payload=r, tokens=prompt)
+        ticket = r.ticket = Ticket(cls, t, payload=r, tokens=prompt)
         verdict = self.queues[gw].offer(ticket, t)
         if isinstance(verdict, Admitted):
             self._dispatch(ticket, t)
         elif not isinstance(verdict, Queued):
             r.fate = "shed"
+        elif verdict.evicted is not None:  # another tenant's, over its share
+            verdict.evicted[0].payload.fate = "shed"
 
     def _dispatch(self, ticket: Ticket, now: float) -> None:
         r: _Req = ticket.payload
@@ -441,10 +444,11 @@ class _Sim:
                 continue
             del self.reqs[r.id]
             r.done, r.fate = now, "done"
-            up, q = self.ups[r.gateway], self.queues[r.gateway]
+            q = self.queues[r.gateway]
             sample = Sample(r.dispatched, now - r.dispatched, r.first - r.dispatched, r.prompt,
                             r.tokens, r.inflight_at_admit, Outcome.OK)
-            admitted = q.release(up, now, r.prompt, sample)
+            assert r.ticket is not None
+            admitted = q.release(r.ticket, now, sample)
             for ticket in q.take_late():
                 ticket.payload.fate = "timeout"
             if now < self.sc.duration:  # draining: what was queued stays undispatched

@@ -5,9 +5,10 @@ async layer in `gateway.gate`) and `benchmarks.simulate` (virtual time) run this
 very code.
 
     offer(ticket, now)  -> Admitted(upstream) | Queued | Rejected(reason, retry_after)
-    release(up, now, t, sample)
-                        -> tickets newly dispatched because a slot (and t tokens) freed
-                           (= free(up, t) + note_completion(now) + the sample + pump(now))
+    release(ticket, now, sample)
+                        -> tickets newly dispatched because its slot (and tokens) freed
+                           (= free + note_completion(now) + the sample + pump(now))
+    charge(ticket, n, now) -> n more output tokens of a ticket in flight, for fair shares
     tick(now, ups)      -> (dispatched, expired): the controllers' tick, pump, expire
     engine_stats(up, s) -> one scrape of the engine's own metrics, to its controller
     pump(now)           -> tickets dispatched because a limit grew
@@ -45,17 +46,24 @@ come in through `tick` and `engine_stats`, and `has_room_for` asks `fits`. Every
 guarded: what a controller raises goes to `on_error` (the gate logs and counts it) and
 costs that update only, never a slot or a request.
 
-Dispatch order: higher `priority` classes first, FIFO within a class. A request goes to the
-usable upstream with room for it (`UpstreamState`: its limit, and its controller's token
-budget) that is least full, in-flight / limit (`least_full`). A head that does not fit
-waits, and what is queued behind it waits too: FIFO, so a large request is never starved by
-smaller ones that slip past it.
+Dispatch order: higher `priority` classes first; within a class, fair shares between
+tenants counted in tokens (`gateway.fairness`: the least-served tenant's head first, FIFO
+within a tenant; with one tenant, plain FIFO). A request goes to the usable upstream with
+room for it (`UpstreamState`: its limit, and its controller's token budget) that is least
+full, in-flight / limit (`least_full`). A head that does not fit waits, and what is queued
+behind it waits too, so a large request is never starved by smaller ones that slip past it.
+
+Which request a full queue sheds: when a class's queue must lose one (the arrival's place
+is within its objective but the last queued request's is not, or the class is at its
+count), it is the newest of the tenant furthest over its share (`FairQueue.victim`), told
+at once (429, returned in `Queued.evicted`); with one tenant that is the arrival, as ever.
+A tenant's own caps (`TenantPolicy.max_inflight`, `tokens_per_minute`) refuse its requests
+429 `tenant_quota` before anything else.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -73,9 +81,11 @@ from kneegate.gateway.admission_types import (
     queue_full,
     queue_timeout,
     shutting_down,
+    tenant_quota,
 )
 from kneegate.gateway.admission_wait import StandingQueue, WaitEstimate
 from kneegate.gateway.demand import Demand
+from kneegate.gateway.fairness import FairQueue, TokenBuckets
 
 __all__ = ["AdmissionQueue"]
 
@@ -91,7 +101,7 @@ class AdmissionQueue:
     max_queue: int = 256
     retry_after_min: int = 1
     retry_after_max: int = 60
-    _queues: dict[str, deque[Ticket]] = field(default_factory=dict, init=False)
+    _queues: dict[str, FairQueue] = field(default_factory=dict, init=False)
     _order: list[str] = field(default_factory=list, init=False)
     _wait: WaitEstimate = field(default_factory=WaitEstimate, init=False)  # rate, engine TTFT
     _late: list[Ticket] = field(default_factory=list, init=False)  # set aside by `pump`
@@ -100,6 +110,7 @@ class AdmissionQueue:
     on_error: Callable[[UpstreamState, str, Exception], None] | None = None
     _net: StandingQueue = field(default_factory=StandingQueue, init=False)  # the safety net
     demand: Demand = field(default_factory=Demand, init=False)  # the scale-out signal's sums
+    _buckets: TokenBuckets = field(default_factory=TokenBuckets, init=False)  # tokens a minute
 
     def __post_init__(self) -> None:
         self.reconfigure(self.classes, self.max_queue, self.upstreams)
@@ -123,7 +134,7 @@ class AdmissionQueue:
             self.retry_after_min, self.retry_after_max = retry_after
         self.upstreams = list(upstreams)
         for name in classes:
-            self._queues.setdefault(name, deque())
+            self._queues.setdefault(name, FairQueue())
         rank = {n: self.classes[n].priority if n in self.classes else _DRAINING
                 for n in self._queues}
         self._order = sorted(self._queues, key=lambda n: -rank[n])
@@ -178,25 +189,60 @@ class AdmissionQueue:
             return self.shutdown_rejection()
         if not any(u.usable for u in self.upstreams):
             return no_upstream(self.retry_after_min)
-        ahead = self._ahead_of(cls)
-        if ahead == 0:
+        quota = self._over_quota(ticket, now)
+        if quota is not None:
+            return quota
+        q = self._queues[cls]
+        higher = self._ahead_of(cls, above=True)
+        if higher == 0 and not q:
             up = least_full(self.upstreams, ticket.tokens)
             if up is not None:
                 self._dispatch(ticket, up, now)
                 return Admitted(up)
         policy = self.classes[cls]
         objective = self.objective(ticket)
-        wait = self._wait.queue_wait(ahead)
         budget = self._wait.budget(policy.queue_budget, objective)
-        if wait is not None and wait > budget:
-            ra = self._clamp(wait - budget)
-            return over_objective(objective, ahead, wait + self.engine_ttft, ra)
-        if len(self._queues[cls]) >= self.capacity(cls) or self.depth() >= self.max_queue:
-            ra = self.retry_after(self.depth())
-            return queue_full(cls, len(self._queues[cls]), self.capacity(cls), ra)
+        ahead = higher + q.position(ticket)
+        wait = self._wait.queue_wait(ahead)
+        if wait is not None and wait > budget:  # even its fair place is too late
+            return over_objective(objective, ahead, wait + self.engine_ttft,
+                                  self._clamp(wait - budget))
+        # someone's place is too late (the last's), or the queue is at its count: the
+        # request to shed is the newest of the tenant furthest over its share
+        last = self._wait.queue_wait(higher + len(q))
+        late = last is not None and last > budget
+        full = len(q) >= self.capacity(cls) or self.depth() >= self.max_queue
+        evicted: tuple[Ticket, Rejected] | None = None
+        if late or full:
+            victim = q.victim(ticket)
+            if full:
+                ra = self.retry_after(self.depth())
+                answer = queue_full(cls, len(q), self.capacity(cls), ra)
+            else:
+                assert last is not None
+                answer = over_objective(self.objective(victim), higher + len(q),
+                                        last + self.engine_ttft, self._clamp(last - budget))
+            if victim is ticket:
+                return answer
+            q.remove(victim)
+            evicted = (victim, answer)
         ticket.due, ticket.deadline = self._due(ticket, policy, now)
-        self._queues[cls].append(ticket)
-        return Queued(ahead)
+        q.append(ticket)
+        return Queued(ahead, evicted)
+
+    def _over_quota(self, ticket: Ticket, now: float) -> Rejected | None:
+        """429 `tenant_quota` when `ticket`'s tenant is at one of its own caps."""
+        t = ticket.tenant
+        if t.max_inflight is not None:
+            held = sum(q.held(t.name) for q in self._queues.values())
+            if held >= t.max_inflight:
+                return tenant_quota(t.label, f"{t.max_inflight} requests in flight",
+                                    self.retry_after(held - t.max_inflight))
+        wait = self._buckets.wait(t, now)
+        if wait > 0:
+            return tenant_quota(t.label, f"{t.tokens_per_minute:g} tokens a minute",
+                                self._clamp(wait))
+        return None
 
     def _due(self, ticket: Ticket, policy: ClassPolicy, since: float) -> tuple[float, float]:
         """(due, deadline) of `ticket` queued at `since`. Past `due` a first token is a miss
@@ -210,17 +256,33 @@ class AdmissionQueue:
         objective, tightened by the request's own."""
         return min(self.classes[ticket.cls].ttft_objective, ticket.ttft_objective)
 
-    def release(self, upstream: UpstreamState, now: float, tokens: int = 0,
-                sample: Sample | None = None) -> list[Ticket]:
-        """A request on `upstream` ended: free its slot (and its ticket's `tokens`) first,
-        then feed its `sample` to the controller (none for a client's doing), then dispatch
-        what now fits (Netflix decrements before onSample: a controller that raises cannot
-        keep the slot)."""
-        self.free(upstream, tokens)
+    def release(self, ticket: Ticket, now: float, sample: Sample | None = None
+                ) -> list[Ticket]:
+        """`ticket`'s request on its upstream ended: free its slot (and its tokens) first,
+        then feed its `sample` to the controller (none, or a client's outcome, feeds it
+        nothing), then dispatch what now fits (Netflix decrements before onSample: a
+        controller that raises cannot keep the slot). Its output tokens not yet charged
+        to its tenant are charged now."""
+        up = ticket.upstream
+        assert up is not None, "only a dispatched ticket can be released"
+        up.free(ticket.tokens)
+        output = sample.output_tokens if sample is not None else None
+        self._charge_tokens(ticket, (output or 0) - ticket.output_charged, now)
+        self._queues[ticket.cls].released(ticket, output)
         self.note_completion(now)
         if sample is not None:
-            self.note_sample(upstream, sample)
+            self.note_sample(up, sample)
         return self.pump(now)
+
+    def charge(self, ticket: Ticket, tokens: int, now: float) -> None:
+        """`tokens` more output tokens of `ticket`, in flight, streamed: its tenant's fair
+        share and token quota are charged as the engine serves, not only at the end."""
+        self._charge_tokens(ticket, tokens, now)
+        self._queues[ticket.cls].charge_output(ticket, tokens)
+
+    def _charge_tokens(self, ticket: Ticket, tokens: int, now: float) -> None:
+        if tokens > 0:
+            self._buckets.take(ticket.tenant, tokens, now)
 
     def note_sample(self, upstream: UpstreamState, sample: Sample) -> None:
         """One request's outcome for `upstream`'s controller (a client's is never a sample);
@@ -253,9 +315,13 @@ class AdmissionQueue:
                 raise
             self.on_error(up, hook, exc)
 
-    def free(self, upstream: UpstreamState, tokens: int = 0) -> None:
-        """Give back one slot and its `tokens`; dispatches nothing (`pump` does)."""
-        upstream.free(tokens)
+    def free(self, ticket: Ticket) -> None:
+        """Give back a dispatched ticket's slot and tokens, unserved (its caller left before
+        the engine saw it): its tenant is refunded. Dispatches nothing (`pump` does)."""
+        up = ticket.upstream
+        assert up is not None, "only a dispatched ticket has a slot to free"
+        up.free(ticket.tokens)
+        self._queues[ticket.cls].refund(ticket)
 
     def note_completion(self, now: float) -> None:
         """A request finished on an engine: the completion rate's evidence."""
@@ -270,18 +336,21 @@ class AdmissionQueue:
         for name in self._order:
             q = self._queues[name]
             target = self._target(name)
-            standing = self._net.standing(name, q[0].arrived_at if q else None, target, now)
-            while q:
-                head = q[0]
+            head = q.head()
+            standing = self._net.standing(name, head.arrived_at if head else None, target, now)
+            while head is not None:
                 if head.due <= now or (standing and now - head.arrived_at > target):
-                    self._late.append(q.popleft())
+                    q.remove(head)
+                    self._late.append(head)
+                    head = q.head()
                     continue
                 up = least_full(self.upstreams, head.tokens)
                 if up is None:
                     return out
-                q.popleft()
+                q.remove(head)
                 self._dispatch(head, up, now)
                 out.append(head)
+                head = q.head()
         return out
 
     def _target(self, name: str) -> float:
@@ -301,12 +370,15 @@ class AdmissionQueue:
         for u in self.upstreams:  # refused with nothing of ours in it: others filled it
             if u.refusing and u.inflight == 0:
                 u.refusing = False  # try again once a tick
-        for name, q in self._queues.items():
+        for q in self._queues.values():
             if any(t.deadline <= now for t in q):
-                late = [t for t in q if t.deadline <= now]
-                self._queues[name] = deque(t for t in q if t.deadline > now)
-                out.extend(late)
+                out.extend(q.remove_if(lambda t: t.deadline <= now))
         return out
+
+    def fairness(self) -> dict[str, float | None]:
+        """Each class's Jain's index since the last call (`FairQueue.jain`); None where
+        fewer than two tenants stayed backlogged."""
+        return {name: q.jain() for name, q in self._queues.items() if name in self.classes}
 
     def take_late(self) -> list[Ticket]:
         """The heads `pump` set aside past their objective (cheap: no scan), removed."""
@@ -322,19 +394,14 @@ class AdmissionQueue:
         q = self._queues.get(ticket.cls)
         if q is None or ticket.dispatched_at is not None:
             return False
-        try:
-            q.remove(ticket)
-        except ValueError:
-            return False
-        return True
+        return q.remove(ticket)
 
     def close(self) -> list[Ticket]:
         """Shutting down: remove and return every queued ticket; refuse every later offer."""
         self.closed = True
         out: list[Ticket] = []
         for q in self._queues.values():
-            out.extend(q)
-            q.clear()
+            out.extend(q.clear())
         return out
 
     def shutdown_rejection(self) -> Rejected:
@@ -353,8 +420,8 @@ class AdmissionQueue:
         best = least_full(self.upstreams, ticket.tokens, skip=old)
         if best is None:
             return None
-        self.free(old, ticket.tokens)
-        self._dispatch(ticket, best, now)
+        old.free(ticket.tokens)
+        self._place(ticket, best, now)  # the same request: its tenant is not charged again
         return best
 
     def requeue(self, ticket: Ticket, now: float) -> bool:
@@ -373,7 +440,7 @@ class AdmissionQueue:
         due, deadline = self._due(ticket, policy, ticket.arrived_at)
         if now >= due:
             return False
-        self.free(up, ticket.tokens)
+        self.free(ticket)  # unserved: its tenant is refunded
         up.refusing = True
         ticket.upstream, ticket.dispatched_at = None, None
         ticket.due, ticket.deadline = due, deadline
@@ -388,18 +455,25 @@ class AdmissionQueue:
 
     # --- internals -----------------------------------------------------------------
 
-    def _ahead_of(self, cls: str) -> int:
+    def _ahead_of(self, cls: str, above: bool = False) -> int:
+        """Queued tickets of classes ranked with `cls` or above it (`above`: only above)."""
         # on every offer: skip empty queues first, build nothing
         rank = self.classes[cls].priority
         ahead = 0
         for name, q in self._queues.items():
-            if q:
+            if q and not (above and name == cls):
                 policy = self.classes.get(name)
                 if (policy.priority if policy is not None else _DRAINING) >= rank:
                     ahead += len(q)
         return ahead
 
     def _dispatch(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
+        """Send `ticket` to `up`: its slot, and its tenant's charge for its prompt."""
+        self._place(ticket, up, now)
+        self._queues[ticket.cls].dispatched(ticket)
+        self._buckets.take(ticket.tenant, ticket.tokens, now)
+
+    def _place(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
         if up.inflight == 0 and not any(u.inflight for u in self.upstreams):
             self._wait.completions.resume(now)  # busy again after idle
         up.take(ticket.tokens)

@@ -21,6 +21,7 @@ __all__ = [
     "Queued",
     "RejectReason",
     "Rejected",
+    "TenantPolicy",
     "Ticket",
     "UpstreamState",
     "least_full",
@@ -29,6 +30,7 @@ __all__ = [
     "queue_full",
     "queue_timeout",
     "shutting_down",
+    "tenant_quota",
 ]
 
 
@@ -38,6 +40,7 @@ class RejectReason(enum.Enum):
     OVER_OBJECTIVE = "over_objective"  # 429: could not be served within its objective now
     NO_UPSTREAM = "no_upstream"  # 503: nothing usable to send to
     SHUTTING_DOWN = "shutting_down"  # 503: the gateway is draining for shutdown
+    TENANT_QUOTA = "tenant_quota"  # 429: the tenant is over its own cap (in flight, tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,23 @@ class UpstreamState:
         assert self.inflight_tokens >= 0, "released more tokens than were taken"
 
 
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """Who a request is for, as admission weighs it: fair shares within a class are kept
+    between tenants (`gateway.fairness`). `name` is its key in the queue (a configured
+    tenant's name, or a hash of an unconfigured API key; "" is everyone without one);
+    `label` is what metrics call it."""
+
+    name: str = ""
+    weight: float = 1.0  # its share relative to other tenants' (2: twice a weight-1 share)
+    max_inflight: int | None = None  # its requests queued or in flight, at most
+    tokens_per_minute: float | None = None  # prompt + output tokens a minute, at most
+    label: str = "anonymous"
+
+
+ANONYMOUS = TenantPolicy()
+
+
 @dataclass(slots=True, eq=False)
 class Ticket:
     """One request asking for a slot. `payload` belongs to the caller (a future, a sim request)."""
@@ -109,6 +129,9 @@ class Ticket:
     upstream: UpstreamState | None = None  # set at dispatch
     dispatched_at: float | None = None
     inflight_at_admit: int = 0
+    tenant: TenantPolicy = ANONYMOUS
+    charged: float = 0.0  # what its tenant's fair-share counter was charged for it
+    output_charged: int = 0  # of which output tokens, as they streamed
 
 
 def least_full(upstreams: list[UpstreamState], tokens: int,
@@ -131,6 +154,9 @@ class Admitted:
 @dataclass(frozen=True, slots=True)
 class Queued:
     position: int  # tickets ahead of this one that will be dispatched first
+    # a queued ticket of the tenant furthest over its share, shed to make room for this
+    # one (`gateway.fairness`), and the answer it is owed; None when nothing was shed
+    evicted: tuple[Ticket, Rejected] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +201,14 @@ def queue_full(cls: str, queued: int, capacity: int, retry_after: int) -> Reject
         retry_after,
         f"admission queue for class '{cls}' is full "
         f"({queued}/{capacity}); retry after {retry_after}s",
+    )
+
+
+def tenant_quota(tenant: str, what: str, retry_after: int) -> Rejected:
+    """`what`: the cap, in words ("8 requests in flight", "60000 tokens a minute")."""
+    return Rejected(
+        RejectReason.TENANT_QUOTA, retry_after,
+        f"tenant '{tenant}' is at its quota of {what}; retry after {retry_after}s",
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -115,6 +116,7 @@ class Gateway:
         self._watching: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._fairness_at = -math.inf  # the fairness gauge's last reading
         self.draining = False
         self._cut_timer: asyncio.TimerHandle | None = None
 
@@ -195,6 +197,9 @@ class Gateway:
         now = self.clock()
         self.gate.tick(self.pool.all())
         self.proxy.sweep(now)
+        if now - self._fairness_at >= 1.0:  # a reading a second: the gauge's window
+            self._fairness_at = now
+            self.gate.fairness()
         for t in self.pool.background(self.client, now):
             self._background.add(t)
             t.add_done_callback(self._background.discard)

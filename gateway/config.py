@@ -37,6 +37,7 @@ from kneegate.gateway.config_sections import (
     LimitsConfig,
     ScaleConfig,
     ServerConfig,
+    TenantConfig,
 )
 from kneegate.gateway.config_upstream import TimeoutConfig, UpstreamConfig
 from kneegate.gateway.config_yaml import read_config
@@ -66,6 +67,10 @@ class GatewayConfig(Frozen):
     api_keys: dict[str, str] = Field(
         default_factory=dict, description="bearer API key -> class (wins over the header)"
     )
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict, description="named tenants by name: keys, weight, class, caps")
+    tenant_header: str | None = Field(
+        None, description="request header naming a tenant when no configured key does")
     max_queue: int = Field(256, ge=0, description="queued requests, all classes together")
     max_body_bytes: int = Field(8 << 20, ge=1, description="larger request bodies get 413")
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
@@ -89,6 +94,16 @@ class GatewayConfig(Frozen):
         for i, cls in enumerate(self.api_keys.values()):
             if cls not in self.classes:  # the key is a secret: name its place, not it
                 raise ValueError(f"api_keys: entry {i + 1} maps to unknown class {cls!r}")
+        owner: dict[str, str] = {}
+        for name, t in self.tenants.items():
+            if t.class_ is not None and t.class_ not in self.classes:
+                raise ValueError(f"tenants.{name}.class: {t.class_!r} is not one of "
+                                 f"{sorted(self.classes)}")
+            for i, key in enumerate(t.keys):  # the key is a secret: name its place, not it
+                if key in owner:
+                    raise ValueError(f"tenants.{name}.keys: entry {i + 1} is also a key of "
+                                     f"tenant {owner[key]!r}")
+                owner[key] = name
         names = [u.name for u in self.upstreams]
         if len(set(names)) != len(names):
             raise ValueError(f"upstreams: names must be unique, got {names}")
@@ -102,9 +117,9 @@ class GatewayConfig(Frozen):
 Prepare = Callable[[GatewayConfig], GatewayConfig]
 
 
-_FIELD_NAMES = sorted({name for m in (GatewayConfig, UpstreamConfig, ClassConfig, TimeoutConfig,
-                                       ServerConfig, ScaleConfig, LimitsConfig)
-                        for name in m.model_fields})
+_FIELD_NAMES = sorted({name.rstrip("_") for m in (
+    GatewayConfig, UpstreamConfig, ClassConfig, TimeoutConfig, ServerConfig, ScaleConfig,
+    LimitsConfig, TenantConfig) for name in m.model_fields})
 
 
 def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:

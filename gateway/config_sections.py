@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["ClassConfig", "Frozen", "LimitsConfig", "ScaleConfig", "ServerConfig"]
+__all__ = ["ClassConfig", "Frozen", "LimitsConfig", "ScaleConfig", "ServerConfig", "TenantConfig"]
 
 
 class Frozen(BaseModel):
@@ -36,6 +36,24 @@ class ClassConfig(Frozen):
         description="the part of the objective (less the engine's TTFT) a request may be "
         "predicted to wait in the queue; beyond it, 429 over_objective at once")
 
+
+
+class TenantConfig(Frozen):
+    """One named tenant (`tenants.<name>`): fair shares within a class are kept between
+    tenants, counted in tokens; a request's tenant is its API key's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    keys: list[str] = Field(
+        default_factory=list, description="bearer API keys whose requests are this tenant's")
+    weight: float = Field(
+        1.0, gt=0, le=1000, description="its share relative to other tenants' (2: twice)")
+    class_: str | None = Field(
+        None, alias="class", description="the class its requests go to (api_keys win)")
+    max_inflight: int | None = Field(
+        None, ge=1, description="its requests queued or in flight, at most; more: 429")
+    tokens_per_minute: float | None = Field(
+        None, gt=0, description="prompt and output tokens a minute, at most; more: 429")
 
 
 class LimitsConfig(Frozen):

@@ -9,7 +9,8 @@
         │   ├── QueueTimeout       503 queue_timeout
         │   ├── NoUpstream         503 no_upstream
         │   ├── TooManyConnections 503 too_many_connections: over limits.max_connections
-        │   └── ShuttingDown       503 shutting_down: the gateway is draining
+        │   ├── ShuttingDown       503 shutting_down: the gateway is draining
+        │   └── TenantQuota        429 tenant_quota: the tenant is at its own cap
         ├── InvalidPath        400: '%2F', '%5C' or '\\' in the path (ambiguous)
         ├── InvalidHeader      400: a kneegate request header with a value it cannot use
         ├── NotFound           404: not a proxied path (never an open proxy)
@@ -57,6 +58,7 @@ __all__ = [
     "Rejection",
     "RequestTimeout",
     "ShuttingDown",
+    "TenantQuota",
     "TooManyConnections",
     "Unauthorized",
     "UpstreamConnectError",
@@ -137,6 +139,10 @@ class TooManyConnections(Rejection):
 
 class ShuttingDown(Rejection):
     status, type, code, reason = 503, "server_error", "shutting_down", "shutting_down"
+
+
+class TenantQuota(Rejection):
+    status, type, code, reason = 429, "rate_limit_error", "tenant_quota", "tenant_quota"
 
 
 class InvalidHeader(HTTPError):

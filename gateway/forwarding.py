@@ -24,8 +24,10 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kneegate.gateway.admission_types import ANONYMOUS, TenantPolicy
 from kneegate.gateway.config import GatewayConfig
 from kneegate.gateway.errors import InvalidHeader, InvalidPath
+from kneegate.gateway.tenants import Tenants
 from kneegate.gateway.types import Scope
 
 __all__ = [
@@ -63,6 +65,7 @@ class ProxySettings:
     default_class: str
     first_byte: float
     idle: float
+    tenants: Tenants
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig) -> ProxySettings:
@@ -74,12 +77,19 @@ class ProxySettings:
             default_class=cfg.default_class,
             first_byte=cfg.timeouts.first_byte,
             idle=cfg.timeouts.idle,
+            tenants=Tenants.from_config(cfg),
         )
 
-    def classify(self, header: bytes | None, auth: bytes | None) -> str:
-        """An API key's class, else an opted-in class the header names, else the default."""
+    def classify(self, header: bytes | None, auth: bytes | None,
+                 tenant: TenantPolicy = ANONYMOUS) -> str:
+        """An API key's class, else its configured tenant's, else an opted-in class the
+        header names, else the default."""
         if auth is not None and self.api_keys and auth[:7].lower() == b"bearer ":
             cls = self.api_keys.get(auth[7:].strip())
+            if cls is not None:
+                return cls
+        if self.tenants.classes:
+            cls = self.tenants.class_of(tenant)
             if cls is not None:
                 return cls
         if header is not None:
@@ -141,11 +151,12 @@ def forward_target(scope: Scope) -> bytes:
 
 def forward_headers(
     scope: Scope, s: ProxySettings
-) -> tuple[list[tuple[bytes, bytes]], bytes, str, bytes | None, bytes | None]:
-    """Headers for the engine, the request id, the class, the Content-Length and the
-    request's own TTFT objective (`x-kneegate-ttft-ms`, ours: not forwarded)."""
+) -> tuple[list[tuple[bytes, bytes]], bytes, str, TenantPolicy, bytes | None, bytes | None]:
+    """Headers for the engine, the request id, the class, the tenant, the Content-Length
+    and the request's own TTFT objective (`x-kneegate-ttft-ms`, ours: not forwarded)."""
     out: list[tuple[bytes, bytes]] = []
-    xff = rid = cls_value = auth = length = ttft = None
+    xff = rid = cls_value = auth = length = ttft = tenant_value = None
+    tenant_header = s.tenants.header
     for k, v in scope["headers"]:
         if k in HOP_BY_HOP:
             if k == b"content-length" and v.isdigit():  # the parser checked it already
@@ -163,6 +174,8 @@ def forward_headers(
             cls_value = v
         elif k == b"authorization":
             auth = v
+        elif k == tenant_header:
+            tenant_value = v
         out.append((k, v))
     if rid is None:
         rid = os.urandom(16).hex().encode()  # as random as uuid4, a third of the cost
@@ -172,7 +185,8 @@ def forward_headers(
         xff = client[0].encode() if xff is None else xff + b", " + client[0].encode()
     if xff is not None:
         out.append((b"x-forwarded-for", xff))
-    return out, rid, s.classify(cls_value, auth), length, ttft
+    tenant = s.tenants.resolve(auth, tenant_value)
+    return out, rid, s.classify(cls_value, auth, tenant), tenant, length, ttft
 
 
 def parse_objective(value: bytes | None) -> float:

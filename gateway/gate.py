@@ -22,10 +22,12 @@ import time
 from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.gateway.admission import AdmissionQueue
 from kneegate.gateway.admission_types import (
+    ANONYMOUS,
     Admitted,
     Queued,
     Rejected,
     RejectReason,
+    TenantPolicy,
     Ticket,
     UpstreamState,
 )
@@ -36,6 +38,7 @@ from kneegate.gateway.errors import (
     QueueTimeout,
     Rejection,
     ShuttingDown,
+    TenantQuota,
 )
 from kneegate.gateway.metrics import GatewayMetrics
 from kneegate.gateway.types import Clock
@@ -51,6 +54,7 @@ _REJECTIONS: dict[RejectReason, type[Rejection]] = {
     RejectReason.QUEUE_TIMEOUT: QueueTimeout,
     RejectReason.NO_UPSTREAM: NoUpstream,
     RejectReason.SHUTTING_DOWN: ShuttingDown,
+    RejectReason.TENANT_QUOTA: TenantQuota,
 }
 
 
@@ -112,22 +116,46 @@ class Gate:
         """Requests of `cls` waiting for a slot, as counted: queued or being handed one."""
         return self.queue.depth(cls) + self.handing.get(cls, 0)
 
-    async def acquire(self, cls: str, tokens: int = 0, objective: float = math.inf) -> Permit:
+    async def acquire(self, cls: str, tokens: int = 0, objective: float = math.inf,
+                      tenant: TenantPolicy = ANONYMOUS) -> Permit:
         """A permit now, a permit after waiting in the queue, or a Rejection raised.
         `tokens`: the prompt's size estimate, for controllers with a token budget;
-        `objective`: the request's own TTFT objective, seconds (tightens its class's)."""
+        `objective`: the request's own TTFT objective, seconds (tightens its class's);
+        `tenant`: whom it is for (fair shares within the class, the tenant's caps)."""
         now = self.clock()
-        ticket = Ticket(cls, now, tokens=tokens, ttft_objective=objective)
+        ticket = Ticket(cls, now, tokens=tokens, ttft_objective=objective, tenant=tenant)
         m = self.metrics
         m.child(m.received, cls).inc()
         decision = self.queue.offer(ticket, now)
         if isinstance(decision, Admitted):
             return self._admit(ticket)
         if isinstance(decision, Rejected):
-            m.child(m.shed, cls, decision.reason.value).inc()
+            self._shed(ticket, decision.reason.value)
             raise rejection(decision)
         assert isinstance(decision, Queued)
+        if decision.evicted is not None:  # another tenant's, over its share, told now
+            victim, answer = decision.evicted
+            self._shed(victim, answer.reason.value)
+            fut: asyncio.Future[Rejected | None] = victim.payload
+            if not fut.done():
+                fut.set_result(answer)
         return await self._wait(ticket)
+
+    def _shed(self, ticket: Ticket, reason: str) -> None:
+        m = self.metrics
+        m.child(m.shed, ticket.cls, reason).inc()
+        if reason != "client_gone":
+            m.child(m.tenant_rejected, ticket.tenant.label, ticket.cls, reason).inc()
+
+    def charge(self, permit: Permit, tokens: int) -> None:
+        """`tokens` more output tokens of `permit`'s request streamed: its tenant's share."""
+        if tokens > 0 and not permit.done:
+            self.queue.charge(permit.ticket, tokens, self.clock())
+
+    def fairness(self) -> None:
+        """Set each class's fairness gauge from a reading of its queue (once a second)."""
+        for cls, jain in self.queue.fairness().items():
+            self.metrics.fairness.labels(cls).set(1.0 if jain is None else jain)
 
     async def _wait(self, ticket: Ticket) -> Permit:
         fut: asyncio.Future[Rejected | None] = asyncio.get_running_loop().create_future()
@@ -150,12 +178,11 @@ class Gate:
         # the caller went away while queued, or before it resumed with its slot
         if ticket.dispatched_at is not None:
             self._handed(ticket)
-            up = self._upstream(ticket)
-            self.queue.free(up, ticket.tokens)
-            self.metrics.child(self.metrics.shed, ticket.cls, "client_gone").inc()
+            self.queue.free(ticket)
+            self._shed(ticket, "client_gone")
             self._pump(self.clock())
         elif self.queue.withdraw(ticket):
-            self.metrics.child(self.metrics.shed, ticket.cls, "client_gone").inc()
+            self._shed(ticket, "client_gone")
 
     def _handed(self, ticket: Ticket) -> None:
         self.handing[ticket.cls] -= 1
@@ -173,6 +200,7 @@ class Gate:
         assert ticket.dispatched_at is not None
         m = self.metrics
         m.child(m.admitted, up.name, ticket.cls).inc()
+        m.child(m.tenant_admitted, ticket.tenant.label, ticket.cls).inc()
         m.child(m.queue_wait, ticket.cls).observe(ticket.dispatched_at - ticket.arrived_at)
         return Permit(self, ticket, up)
 
@@ -192,7 +220,7 @@ class Gate:
         # dispatches: a controller that raises cannot keep the slot
         up, t = permit.upstream, permit.ticket
         now = self.clock()
-        dispatched = self.queue.release(up, now, t.tokens, sample)
+        dispatched = self.queue.release(t, now, sample)
         ttft = tpot = None
         tokens = 0
         if sample is not None and not outcome.is_client:
@@ -202,6 +230,9 @@ class Gate:
                 self.metrics.count_user_ttft(t.cls, user, tokens,
                                              user <= self.queue.objective(t))
         self.metrics.count_finished(up.name, outcome, ttft, tpot, tokens)
+        if tokens:
+            self.metrics.child(self.metrics.tenant_output_tokens, t.tenant.label, t.cls
+                               ).inc(tokens)
         self._woken(dispatched)
 
     def _controller_error(self, up: UpstreamState, hook: str, exc: Exception) -> None:
@@ -289,8 +320,10 @@ class Gate:
             self._time_out(late)
 
     def _time_out(self, tickets: list[Ticket]) -> None:
+        m = self.metrics
         for t in tickets:
-            self.metrics.child(self.metrics.queue_timeout, t.cls).inc()
+            m.child(m.queue_timeout, t.cls).inc()
+            m.child(m.tenant_rejected, t.tenant.label, t.cls, "queue_timeout").inc()
             fut: asyncio.Future[Rejected | None] = t.payload
             if not fut.done():
                 fut.set_result(self.queue.timeout_rejection(t))
@@ -300,7 +333,7 @@ class Gate:
         and every later one. Returns how many were queued."""
         tickets = self.queue.close()
         for t in tickets:
-            self.metrics.child(self.metrics.shed, t.cls, RejectReason.SHUTTING_DOWN.value).inc()
+            self._shed(t, RejectReason.SHUTTING_DOWN.value)
             fut: asyncio.Future[Rejected | None] = t.payload
             # a done future: its waiter was cancelled, and its _abandon finds nothing to
             # withdraw, so this count is the only one

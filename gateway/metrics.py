@@ -260,6 +260,21 @@ class GatewayMetrics:
             ["reason"], registry=r)
         for reason in CLIENT_REJECTIONS:
             self.client_rejections.labels(reason)
+        # tenants (gateway/tenants.py names them: configured names, hashed keys, `other`)
+        self.tenant_admitted = Counter(
+            "kneegate_tenant_admitted", "Requests given a slot, by tenant",
+            ["tenant", "class"], registry=r)
+        self.tenant_rejected = Counter(
+            "kneegate_tenant_rejected", "Requests refused or timed out in the queue, by "
+            "tenant (the reasons of kneegate_requests_shed, and queue_timeout)",
+            ["tenant", "class", "reason"], registry=r)
+        self.tenant_output_tokens = Counter(
+            "kneegate_tenant_output_tokens", "Output tokens relayed, by tenant",
+            ["tenant", "class"], registry=r)
+        self.fairness = Gauge(
+            "kneegate_fairness_jain", "Jain's index over the service (weighted tokens) the "
+            "tenants backlogged in a class got in the last second: 1 equal, 1/n one took "
+            "all; 1 while fewer than two tenants wait", ["class"], registry=r)
         for result in ("ok", "error"):  # from 0: increase() sees the first failed reload
             self.reloads.labels(result)
         self._live: _LiveCollector | None = None

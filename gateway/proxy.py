@@ -40,6 +40,7 @@ from functools import partial
 
 from kneegate.controllers.base import Outcome, Sample
 from kneegate.gateway.access import AccessLog
+from kneegate.gateway.admission_types import TenantPolicy
 from kneegate.gateway.errors import (
     BodyTooLarge,
     HTTPError,
@@ -80,13 +81,15 @@ class Exchange:
     """One request in flight: what the watcher and the sweeper need to end it."""
 
     __slots__ = (
-        "aborted", "admitted_at", "chunks", "finished", "seen_at", "seen_chunks", "sending",
-        "started", "task", "upstream",
+        "aborted", "admitted_at", "chunks", "finished", "permit", "seen_at", "seen_chunks",
+        "sending", "started", "tap", "task", "upstream",
     )
 
     def __init__(self, task: asyncio.Task[object]) -> None:
         self.task = task
         self.upstream: Upstream | None = None  # set at admission (and at a reroute)
+        self.permit: Permit | None = None  # set at admission
+        self.tap: Tap | None = None  # set when the response head came
         self.aborted: Outcome | None = None
         self.started = False  # response headers sent to the client
         self.finished = False  # the last byte is on its way: nothing may abort now
@@ -148,7 +151,7 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         s = self.settings
-        headers, rid, cls, length, ttft_ms = forward_headers(scope, s)
+        headers, rid, cls, tenant, length, ttft_ms = forward_headers(scope, s)
         try:
             objective = parse_objective(ttft_ms)
         except InvalidHeader as exc:
@@ -180,7 +183,7 @@ class Proxy:
         else:
             watcher = asyncio.create_task(_watch(receive, ex))
         try:
-            await self._serve(ex, scope, send, headers, body, rid, cls, writer, objective)
+            await self._serve(ex, scope, send, headers, body, rid, cls, writer, objective, tenant)
         except asyncio.CancelledError:
             if ex.aborted is None:
                 raise
@@ -226,6 +229,7 @@ class Proxy:
     async def _serve(
         self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[bytes, bytes]],
         body: bytes, rid: bytes, cls: str, writer: BodyWriter | None, objective: float,
+        tenant: TenantPolicy,
     ) -> None:
         # A leading signal of the KV footprint: about 4 bytes a token (JSON overhead is a
         # constant factor: controllers use ratios of sizes, or put estimates into tokens by
@@ -236,12 +240,12 @@ class Proxy:
         # controller's token budget.
         size = len(body) // 4
         try:
-            permit = await self.gate.acquire(cls, size, objective)
+            permit = await self.gate.acquire(cls, size, objective, tenant)
         except Rejection as exc:
             self.access.refused(rid, cls, exc)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
-        ex.admitted_at, ex.upstream = permit.admitted_at, permit.upstream
+        ex.admitted_at, ex.upstream, ex.permit = permit.admitted_at, permit.upstream, permit
         self.active.add(ex)
         resp: Response | None = None
         tap: Tap | None = None
@@ -250,7 +254,7 @@ class Proxy:
         outcome = Outcome.CLIENT_CANCELLED  # what a cancellation leaves behind
         try:
             resp = await self._open(ex, permit, scope, headers, body)
-            tap = Tap(self.clock, is_sse(resp.headers))
+            tap = ex.tap = Tap(self.clock, is_sse(resp.headers))
             with upstream_errors(permit.upstream.url):
                 await self._relay(ex, resp, tap, send, rid, writer)
             outcome = _outcome_for_status(resp.status)
@@ -390,7 +394,8 @@ class Proxy:
         )
 
     def sweep(self, now: float) -> None:
-        """Abort exchanges past their first-byte or idle deadline (called from the tick).
+        """Abort exchanges past their first-byte or idle deadline (called from the tick),
+        and charge the output streamed since the last tick to each one's tenant.
 
         Silence while the relay waits on the client's socket is the client's doing (it
         stopped reading): `client_stalled`, never a timeout against the engine.
@@ -401,6 +406,11 @@ class Proxy:
                 ex.seen_chunks, ex.seen_at = ex.chunks, now
                 if ex.upstream is not None:
                     ex.upstream.answered_at = now  # the engine makes progress
+                tap, permit = ex.tap, ex.permit
+                if tap is not None and tap.streaming and permit is not None:
+                    # its tenant's fair share is charged as the output streams (one event
+                    # is about one token; the true count settles it at the end)
+                    self.gate.charge(permit, tap.events - permit.ticket.output_charged)
             elif ex.chunks == 0:
                 if now - ex.admitted_at > fb:
                     ex.abort(Outcome.TIMEOUT)

@@ -41,16 +41,17 @@ def test_admits_to_the_upstream_with_most_free_room() -> None:
 def test_higher_class_goes_first_and_share_caps_a_class() -> None:
     ups = pool(1)
     q = AdmissionQueue(ups, CLASSES, max_queue=4)
-    q.offer(Ticket("lo", 0.0), 0.0)
+    first = Ticket("lo", 0.0)
+    q.offer(first, 0.0)
     lo, hi1, hi2 = Ticket("lo", 1.0), Ticket("hi", 2.0), Ticket("hi", 2.1)
     assert q.offer(lo, 1.0) == Queued(0)
     assert q.offer(hi1, 2.0) == Queued(0)  # nothing of its rank or higher waits
     assert q.offer(hi2, 2.1) == Queued(1)
     third = q.offer(Ticket("hi", 2.2), 2.2)  # hi may fill half of 4
     assert isinstance(third, Rejected) and third.reason is RejectReason.QUEUE_FULL
-    assert q.release(ups[0], 2.3) == [hi1]
-    assert q.release(ups[0], 2.4) == [hi2]
-    assert q.release(ups[0], 2.5) == [lo]
+    assert q.release(first, 2.3) == [hi1]
+    assert q.release(hi1, 2.4) == [hi2]
+    assert q.release(hi2, 2.5) == [lo]
 
 
 def test_expire_and_withdraw() -> None:
@@ -76,14 +77,15 @@ def test_no_usable_upstream_is_rejected_at_once() -> None:
 def test_reconfigure_keeps_queued_tickets_of_a_removed_class() -> None:
     ups = pool(1)
     q = AdmissionQueue(ups, CLASSES, max_queue=4)
-    q.offer(Ticket("lo", 0.0), 0.0)
+    first = Ticket("lo", 0.0)
+    q.offer(first, 0.0)
     old = Ticket("lo", 0.0)
     q.offer(old, 0.0)
     q.reconfigure({"new": ClassPolicy("new", priority=-5)}, 4, ups)
     newer = Ticket("new", 1.0)
     assert q.offer(newer, 1.0) == Queued(0)  # the removed class ranks below every class
-    assert q.release(ups[0], 2.0) == [newer]
-    assert q.release(ups[0], 3.0) == [old]
+    assert q.release(first, 2.0) == [newer]
+    assert q.release(newer, 3.0) == [old]
 
 
 class Budgeted(Fixed):
@@ -106,7 +108,7 @@ def test_a_head_over_the_token_budget_waits_and_so_does_everything_behind_it() -
     assert q.offer(big, 1.0) == Queued(0)  # 600 + 500 > 1000, though the count has room
     assert q.offer(small, 2.0) == Queued(1)  # it would fit, but FIFO: it waits behind
     assert q.pump(3.0) == []
-    assert q.release(up, 4.0, 600) == [big, small]  # 500 + 100 fit
+    assert q.release(first, 4.0) == [big, small]  # 500 + 100 fit
     assert (up.inflight, up.inflight_tokens) == (2, 600)
 
 
@@ -234,7 +236,7 @@ def test_a_request_past_its_objective_is_never_dispatched() -> None:
     q.offer(late, 0.0)
     q.offer(early, 1.0)
     assert (late.deadline, early.deadline) == (1.5, 2.5)
-    assert q.release(ups[0], 1.6) == [early]  # the slot skips the one past its deadline
+    assert q.release(first, 1.6) == [early]  # the slot skips the one past its deadline
     assert q.expire(1.6) == [late]  # which is answered now (503), never sent on
     assert q.timeout_rejection(late).reason is RejectReason.QUEUE_TIMEOUT
     assert "objective" in q.timeout_rejection(late).message
@@ -268,7 +270,7 @@ def test_a_request_the_engine_refused_waits_again_at_the_head_of_its_queue() -> 
     assert q.pump(0.3) == []  # the refusing engine has no room, though under its limit
     assert q.expire(0.4) == []  # nor at a tick while a request of ours is in it
     assert q.completion_rate == 0.0  # nothing was served
-    assert q.release(ups[0], 0.5) == [refused, behind]  # one ended: it goes first
+    assert q.release(other, 0.5) == [refused, behind]  # one ended: it goes first
     assert (refused.upstream, refused.dispatched_at, ups[0].refusing) == (ups[0], 0.5, False)
 
 
@@ -363,14 +365,14 @@ def test_the_queue_makes_every_controller_call_in_its_order() -> None:
     assert ctl.calls == [("on_arrival", 30, 0), ("on_admit", 30, 1),  # dispatched at once
                          ("on_arrival", 40, 1)]  # queued: no admission yet
     ctl.calls.clear()
-    assert q.release(up, 1.0, 30, make_sample()) == [second]
+    assert q.release(first, 1.0, make_sample()) == [second]
     # the slot is free before the sample is fed, and the next is admitted after it
     assert ctl.calls == [("on_sample", Outcome.OK, 0), ("on_admit", 40, 1)]
     assert q.engine_ttft == 0.2  # a first token: the engine's part of a predicted wait
     ctl.calls.clear()
     q.engine_stats(up, EngineStats(1.0, 3, 0, 0.1, 0, 100))
     assert q.tick(1.5) == ([], [])
-    assert q.release(up, 2.0, 40, make_sample(outcome=Outcome.CLIENT_CANCELLED)) == []
+    assert q.release(second, 2.0, make_sample(outcome=Outcome.CLIENT_CANCELLED)) == []
     assert ctl.calls == [("on_engine_stats", 3, 1), ("on_tick", 1.5, 1)]  # a client's: none
     assert errors == []
 
@@ -381,7 +383,7 @@ def test_a_controller_that_raises_costs_its_update_never_a_slot() -> None:
     t = Ticket("lo", 0.0)
     assert q.offer(t, 0.0) == Admitted(up)  # admitted, though both of its calls raised
     q.offer(Ticket("lo", 0.1), 0.1)
-    assert len(q.release(up, 1.0, 0, make_sample())) == 1  # freed and the next dispatched
+    assert len(q.release(t, 1.0, make_sample())) == 1  # freed and the next dispatched
     q.tick(1.5)
     q.engine_stats(up, EngineStats(1.0, 3, 0, 0.1, 0, 100))
     assert [e[1] for e in errors] == ["on_arrival", "on_admit", "on_arrival", "on_sample",

@@ -142,12 +142,14 @@ def test_the_queue_counts_refused_arrivals_as_offered_load() -> None:
     q = AdmissionQueue([up], {"c": ClassPolicy("c")}, max_queue=0)
     q.demand.half_life = 20.0
     refused = 0
+    held: Ticket | None = None
     for i in range(2400):  # 1200 s: 60 half-lives
         t = i / 2
         if i % 2 == 0:
-            if i:
-                q.release(up, t)
-            assert isinstance(q.offer(Ticket("c", t), t), Admitted)
+            if held is not None:
+                q.release(held, t)
+            held = Ticket("c", t)
+            assert isinstance(q.offer(held, t), Admitted)
         else:
             refused += isinstance(q.offer(Ticket("c", t), t), Rejected)
     assert refused == 1200
@@ -194,9 +196,10 @@ def test_the_gateway_exports_its_pools_demand_on_metrics_and_status() -> None:
     assert registry.get_sample_value("kneegate_demand_ratio") is None
     up = gw.queue.upstreams[0]
     for _ in range(gw.queue.demand.warm):  # one at a time, each 1 s: 1 of 2 slots in use
-        gw.queue.offer(Ticket("default", clock.now), clock.now)
+        t = Ticket("default", clock.now)
+        gw.queue.offer(t, clock.now)
         clock.now += 1.0
-        gw.queue.release(up, clock.now)
+        gw.queue.release(t, clock.now)
     status = gw.status()["demand"]
     assert status is not None and status["engines"] == 1
     ratio = registry.get_sample_value("kneegate_demand_ratio")

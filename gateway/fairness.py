@@ -1,0 +1,346 @@
+"""Fair shares between tenants inside one priority class, counted in tokens.
+
+Pure, like the queue that holds it (`gateway.admission`): no clock, no I/O.
+
+One class's queue is a FIFO per tenant. The Virtual Token Counter (Sheng et al., "Fairness
+in Serving Large Language Models", OSDI 2024) decides which tenant's head goes next:
+
+- every tenant has a counter of the service it has had, in weighted tokens: its prompt
+  estimate (weight `PROMPT_WEIGHT`) when a request is dispatched, its output tokens
+  (weight `OUTPUT_WEIGHT`) as they stream, each divided by the tenant's own `weight`;
+- the head of the backlogged tenant with the smallest counter is dispatched first (on a
+  tie, the one that arrived first);
+- a tenant that was not backlogged is lifted on arrival to the class's `floor`, the
+  smallest counter a backlogged tenant had when one was last dispatched, so idle time is
+  not banked as credit;
+- work-conserving: a lone tenant is always the least served, and gets the whole engine.
+
+Why counters and not round robin by requests: a tenant whose requests are ten times longer
+takes ten times the engine per request; the counter charges it so.
+
+The bound (VTC's Theorem, in the form this queue keeps it): while two tenants stay
+backlogged, their counters differ by at most one prompt charge plus the output charges of
+the requests in flight (`limit` x the largest output charge). The last time the tenant now
+ahead was dispatched it was the least served; since then only that request's prompt and
+the output of its requests in flight were added. tests/gateway/test_fairness.py checks it
+with hypothesis over random traffic.
+
+Rejection falls on the tenant furthest over its share (`victim`): when the queue must shed
+one request (its wait bound or its count bound), it is the newest queued request of the
+tenant whose last queued request would be served last (the largest counter plus queued
+work, per unit of weight), not the newest arrival. With one tenant that is the arrival
+itself, as in a plain FIFO.
+
+State is bounded: a tenant with nothing queued or in flight is forgotten once its counter
+is at or under the floor (it would be lifted there anyway); one idle above the floor keeps
+its debt in `_idle`, at most `IDLE_MAX` of them (the oldest forgotten first), so a flood of
+random API keys can neither grow memory nor bank credit.
+
+Fairness in numbers: `jain()` is Jain's index over the service the tenants backlogged at two
+readings got between them, (sum x)^2 / (n sum x^2): 1 when equal, 1/n when one got it all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kneegate.gateway.admission_types import TenantPolicy, Ticket
+
+__all__ = ["OUTPUT_WEIGHT", "PROMPT_WEIGHT", "FairQueue", "TokenBuckets"]
+
+# VTC's service function, w_p x prompt + w_q x output tokens, with the paper's weights: an
+# output token costs a decode step of the whole sequence, a prompt token a share of one
+# prefill pass.
+PROMPT_WEIGHT = 1.0
+OUTPUT_WEIGHT = 2.0
+
+
+@dataclass(slots=True)
+class _Account:
+    """One tenant within one class: its counter, its queued requests, those in flight."""
+
+    policy: TenantPolicy
+    counter: float
+    queued: deque[Ticket] = field(default_factory=deque)
+    queued_tokens: int = 0  # the queued requests' prompt estimates, summed
+    inflight: int = 0
+    mark: float | None = None  # counter at the last `jain` reading, while backlogged
+
+
+@dataclass
+class FairQueue:
+    """One class's queue: a FIFO per tenant, the least-served tenant's head first."""
+
+    IDLE_MAX = 1024  # idle tenants whose debt is remembered
+
+    floor: float = 0.0  # the least backlogged counter at the last dispatch
+    # a request's expected output charge, for estimating queued work (an EWMA)
+    mean_output: float = 0.0
+    _accounts: dict[str, _Account] = field(default_factory=dict)
+    _backlogged: dict[str, _Account] = field(default_factory=dict)  # those with a queue
+    _idle: OrderedDict[str, float] = field(default_factory=OrderedDict)  # name -> counter
+    _len: int = 0
+
+    # --- the queue -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Ticket]:
+        for a in self._backlogged.values():
+            yield from a.queued
+
+    @property
+    def tenants(self) -> int:
+        """Tenants with something queued."""
+        return len(self._backlogged)
+
+    def head(self) -> Ticket | None:
+        """The next to dispatch: the head of the least-served backlogged tenant."""
+        best: _Account | None = None
+        for a in self._backlogged.values():
+            if best is None or a.counter < best.counter or (
+                    a.counter == best.counter
+                    and a.queued[0].arrived_at < best.queued[0].arrived_at):
+                best = a
+        return None if best is None else best.queued[0]
+
+    def append(self, ticket: Ticket) -> None:
+        """Queue `ticket` behind its tenant's; a tenant not backlogged is lifted first."""
+        a = self._account(ticket.tenant)
+        self._enqueue(a, ticket, left=False)
+
+    def appendleft(self, ticket: Ticket) -> None:
+        """Queue `ticket` ahead of its tenant's (an engine refused it unstarted)."""
+        a = self._account(ticket.tenant)
+        self._enqueue(a, ticket, left=True)
+
+    def remove(self, ticket: Ticket) -> bool:
+        """Take a queued `ticket` out (dispatched, timed out, withdrawn, evicted)."""
+        a = self._backlogged.get(ticket.tenant.name)
+        if a is None:
+            return False
+        if a.queued and a.queued[0] is ticket:
+            a.queued.popleft()
+        else:
+            try:
+                a.queued.remove(ticket)
+            except ValueError:
+                return False
+        self._len -= 1
+        a.queued_tokens -= ticket.tokens
+        if not a.queued:
+            del self._backlogged[ticket.tenant.name]
+            a.mark = None
+            self._settle(a)
+        return True
+
+    def remove_if(self, late: Callable[[Ticket], bool]) -> list[Ticket]:
+        """Take out and return every queued ticket `late` says."""
+        out = [t for t in self if late(t)]
+        for t in out:
+            self.remove(t)
+        return out
+
+    def clear(self) -> list[Ticket]:
+        out = list(self)
+        for t in out:
+            self.remove(t)
+        return out
+
+    # --- charging ------------------------------------------------------------------
+
+    def dispatched(self, ticket: Ticket) -> None:
+        """`ticket` (already removed) goes to an engine: charge its prompt estimate. Its
+        tenant was the least served backlogged one (or the queue was empty): its counter
+        is the class's floor from now on."""
+        a = self._account(ticket.tenant)
+        self.floor = max(self.floor, a.counter)
+        a.inflight += 1
+        self._charge(a, ticket, PROMPT_WEIGHT * ticket.tokens)
+
+    def charge_output(self, ticket: Ticket, tokens: int) -> None:
+        """`tokens` more output tokens of `ticket` (in flight) streamed."""
+        a = self._accounts.get(ticket.tenant.name)
+        if a is not None and tokens > 0:
+            ticket.output_charged += tokens
+            self._charge(a, ticket, OUTPUT_WEIGHT * tokens)
+
+    def released(self, ticket: Ticket, output_tokens: int | None) -> None:
+        """`ticket`'s request ended; `output_tokens`: all it produced (None: unknown).
+        The output not yet charged is charged now; an engine's refusal is `refund`."""
+        a = self._accounts.get(ticket.tenant.name)
+        if a is None:
+            return
+        if output_tokens is not None:
+            self.charge_output(ticket, output_tokens - ticket.output_charged)
+            self.mean_output += 0.05 * (OUTPUT_WEIGHT * output_tokens - self.mean_output)
+        a.inflight -= 1
+        self._settle(a)
+
+    def refund(self, ticket: Ticket) -> None:
+        """`ticket` comes back unserved (its engine refused it, its caller left before
+        the engine saw it): what it was charged is given back, its slot too."""
+        a = self._accounts.get(ticket.tenant.name)
+        if a is None:
+            return
+        a.counter -= ticket.charged
+        ticket.charged, ticket.output_charged = 0.0, 0
+        a.inflight -= 1
+        self._settle(a)
+
+    # --- choosing ------------------------------------------------------------------
+
+    def position(self, ticket: Ticket) -> int:
+        """How many queued tickets of this class would be dispatched before `ticket`, were
+        it queued now: its tenant's queue, and from each other tenant those whose share of
+        service comes before the new one's (each of their queued requests costing their
+        average; the counters as they stand)."""
+        mine = self._backlogged.get(ticket.tenant.name)
+        if mine is None:  # lifted as `append` would
+            counter = max(self._counter_of(ticket.tenant.name), self._least_backlogged())
+            n, queued_tokens = 0, 0
+        else:
+            counter, n, queued_tokens = mine.counter, len(mine.queued), mine.queued_tokens
+        finish = counter + (PROMPT_WEIGHT * (queued_tokens + ticket.tokens)
+                            + (n + 1) * self.mean_output) / ticket.tenant.weight
+        ahead = n
+        for a in self._backlogged.values():
+            if a is mine:
+                continue
+            k = len(a.queued)
+            cost = (PROMPT_WEIGHT * a.queued_tokens / k + self.mean_output) / a.policy.weight
+            room = finish - a.counter
+            if room > 0:
+                ahead += k if cost <= 0 else min(k, int(room / cost))
+        return ahead
+
+    def victim(self, arrival: Ticket) -> Ticket:
+        """Which request to shed when one must go: the newest queued request of the tenant
+        furthest over its share (its queued work would finish last), `arrival` counted
+        as queued behind its own tenant's. `arrival` itself when its tenant is that one."""
+        worst, worst_end = arrival, self._end(arrival.tenant, arrival)
+        for a in self._backlogged.values():
+            if a.policy.name == arrival.tenant.name:
+                continue
+            end = self._end(a.policy, None)
+            if end > worst_end:
+                worst, worst_end = a.queued[-1], end
+        return worst
+
+    def jain(self) -> float | None:
+        """Jain's index over the service (counter growth) of the tenants backlogged at
+        this reading and the last; None with fewer than two such tenants. Takes a reading."""
+        xs = []
+        for a in self._backlogged.values():
+            if a.mark is not None:
+                xs.append(max(0.0, a.counter - a.mark))
+            a.mark = a.counter
+        total, squares = sum(xs), sum(x * x for x in xs)
+        if len(xs) < 2 or squares <= 0:
+            return None
+        return total * total / (len(xs) * squares)
+
+    def counter(self, name: str) -> float | None:
+        """Tenant `name`'s counter (None: not known here)."""
+        a = self._accounts.get(name)
+        return a.counter if a is not None else self._idle.get(name)
+
+    def queued(self, name: str) -> int:
+        """Tenant `name`'s requests queued here."""
+        a = self._backlogged.get(name)
+        return len(a.queued) if a is not None else 0
+
+    def held(self, name: str) -> int:
+        """Tenant `name`'s requests here, queued or in flight."""
+        a = self._accounts.get(name)
+        return len(a.queued) + a.inflight if a is not None else 0
+
+    # --- internals -------------------------------------------------------------------
+
+    def _end(self, policy: TenantPolicy, extra: Ticket | None) -> float:
+        """Where the tenant's last queued request would finish, in counter units."""
+        a = self._backlogged.get(policy.name)
+        if a is None:  # lifted as `append` would
+            counter = max(self._counter_of(policy.name), self._least_backlogged())
+            n, tokens = 0, 0
+        else:
+            counter, n, tokens = a.counter, len(a.queued), a.queued_tokens
+        if extra is not None:
+            n, tokens = n + 1, tokens + extra.tokens
+        return counter + (PROMPT_WEIGHT * tokens + n * self.mean_output) / policy.weight
+
+    def _counter_of(self, name: str) -> float:
+        a = self._accounts.get(name)
+        if a is not None:
+            return a.counter
+        return max(self._idle.get(name, self.floor), self.floor)
+
+    def _account(self, policy: TenantPolicy) -> _Account:
+        a = self._accounts.get(policy.name)
+        if a is None:
+            counter = max(self._idle.pop(policy.name, self.floor), self.floor)
+            a = self._accounts[policy.name] = _Account(policy, counter)
+        else:
+            a.policy = policy  # a reload may have changed its weight
+        return a
+
+    def _enqueue(self, a: _Account, ticket: Ticket, left: bool) -> None:
+        if not a.queued:  # arriving, or back after idle: no credit for the time away
+            a.counter = max(a.counter, self._least_backlogged())
+            self._backlogged[a.policy.name] = a
+        (a.queued.appendleft if left else a.queued.append)(ticket)
+        a.queued_tokens += ticket.tokens
+        self._len += 1
+
+    def _least_backlogged(self) -> float:
+        return min((b.counter for b in self._backlogged.values()), default=self.floor)
+
+    def _charge(self, a: _Account, ticket: Ticket, amount: float) -> None:
+        share = amount / a.policy.weight
+        a.counter += share
+        ticket.charged += share
+
+    def _settle(self, a: _Account) -> None:
+        """Forget an account with nothing queued or in flight (its debt, if any, kept)."""
+        if a.queued or a.inflight > 0:
+            return
+        del self._accounts[a.policy.name]
+        if a.counter > self.floor:
+            self._idle[a.policy.name] = a.counter
+            self._idle.move_to_end(a.policy.name)
+            while len(self._idle) > self.IDLE_MAX:
+                self._idle.popitem(last=False)
+
+
+@dataclass
+class TokenBuckets:
+    """Tenants' `tokens_per_minute` quotas: a bucket each, refilled continuously, that
+    prompt estimates (at dispatch) and output tokens (as they stream) drain. A request is
+    refused while its tenant's bucket is empty; a request in flight may overdraw it (its
+    output is not known in advance), and the tenant then waits the overdraft out."""
+
+    _level: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (level, at)
+
+    def wait(self, policy: TenantPolicy, now: float) -> float:
+        """Seconds until `policy`'s bucket has tokens again (0: it has some now)."""
+        if policy.tokens_per_minute is None:
+            return 0.0
+        level = self._refill(policy, now)
+        return 0.0 if level > 0 else max(1e-3, -level / (policy.tokens_per_minute / 60))
+
+    def take(self, policy: TenantPolicy, tokens: int, now: float) -> None:
+        if policy.tokens_per_minute is None or tokens <= 0:
+            return
+        self._level[policy.name] = (self._refill(policy, now) - tokens, now)
+
+    def _refill(self, policy: TenantPolicy, now: float) -> float:
+        cap = policy.tokens_per_minute
+        assert cap is not None
+        level, at = self._level.get(policy.name, (cap, now))
+        return min(cap, level + (now - at) * cap / 60)

@@ -1,0 +1,108 @@
+"""Who a request is for: its tenant, from its API key or a header the operator names.
+
+    tenants = Tenants.from_config(cfg)        # once per config (load or reload)
+    policy = tenants.resolve(auth, header)    # per request: a dict lookup, mostly
+
+In order:
+1. a bearer key listed under a configured tenant (`tenants.<name>.keys`): that tenant, with
+   its weight, caps and class;
+2. the header named by `tenant_header` (none by default), when the operator set one: the
+   configured tenant of that name, or a tenant of that name with weight 1;
+3. any other bearer key: a tenant of its own, named by a hash of the key (`key-` and 12 hex
+   digits of BLAKE2b): the key itself is never kept, logged or exported;
+4. no key: one shared tenant, `anonymous`.
+
+Metrics name a tenant by its `label`: a configured tenant's name, else its hashed name, for
+the first `LABELS_MAX` such tenants a process sees, and `other` after that, so a flood of
+random keys cannot grow the series a Prometheus server has to keep. The resolved tenants are
+cached per `Authorization` value (at most `CACHE_MAX`, the cache cleared when full), so a
+request pays one dict lookup, not a hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from kneegate.gateway.admission_types import ANONYMOUS, TenantPolicy
+from kneegate.gateway.config import GatewayConfig
+
+__all__ = ["Tenants"]
+
+
+def _bearer(auth: bytes | None) -> bytes | None:
+    if auth is None or auth[:7].lower() != b"bearer ":
+        return None
+    key = auth[7:].strip()
+    return key or None
+
+
+@dataclass
+class Tenants:
+    """The tenants of one config, and those met since (hashed keys, header names)."""
+
+    LABELS_MAX = 100  # tenants not configured that get a label of their own
+    CACHE_MAX = 4096
+    HEADER_MAX = 64  # bytes of a tenant header's value that name the tenant
+
+    by_key: dict[bytes, TenantPolicy] = field(default_factory=dict)
+    by_name: dict[str, TenantPolicy] = field(default_factory=dict)
+    classes: dict[str, str] = field(default_factory=dict)  # tenant name -> its class
+    header: bytes | None = None
+    _cache: dict[bytes, TenantPolicy] = field(default_factory=dict)
+    _labels: set[str] = field(default_factory=set)
+
+    @classmethod
+    def from_config(cls, cfg: GatewayConfig) -> Tenants:
+        by_name = {
+            name: TenantPolicy(name, t.weight, t.max_inflight, t.tokens_per_minute, name)
+            for name, t in cfg.tenants.items()
+        }
+        return cls(
+            by_key={k.encode(): by_name[name]
+                    for name, t in cfg.tenants.items() for k in t.keys},
+            by_name=by_name,
+            classes={name: t.class_ for name, t in cfg.tenants.items() if t.class_},
+            header=cfg.tenant_header.lower().encode("latin-1") if cfg.tenant_header else None,
+        )
+
+    def resolve(self, auth: bytes | None, header: bytes | None = None) -> TenantPolicy:
+        """The tenant of a request with this `Authorization` value and tenant header."""
+        key = _bearer(auth)
+        if key is not None:
+            policy = self.by_key.get(key)
+            if policy is not None:
+                return policy
+        if header is not None and self.header is not None:
+            name = header.strip()[: self.HEADER_MAX].decode("latin-1")
+            if name:
+                return self.by_name.get(name) or self._named(name)
+        if key is None:
+            return ANONYMOUS
+        assert auth is not None
+        policy = self._cache.get(auth)
+        if policy is None:
+            if len(self._cache) >= self.CACHE_MAX:
+                self._cache.clear()
+            name = "key-" + hashlib.blake2b(key, digest_size=6).hexdigest()
+            policy = self._cache[auth] = TenantPolicy(name, label=self._label(name))
+        return policy
+
+    def class_of(self, policy: TenantPolicy) -> str | None:
+        """The class a configured tenant's requests go to, when its config names one."""
+        return self.classes.get(policy.name)
+
+    def _named(self, name: str) -> TenantPolicy:
+        key = b"\0header:" + name.encode("latin-1")  # apart from Authorization values
+        policy = self._cache.get(key)
+        if policy is None:
+            if len(self._cache) >= self.CACHE_MAX:
+                self._cache.clear()
+            policy = self._cache[key] = TenantPolicy(name, label=self._label(name))
+        return policy
+
+    def _label(self, name: str) -> str:
+        if name in self._labels or len(self._labels) < self.LABELS_MAX:
+            self._labels.add(name)
+            return name
+        return "other"

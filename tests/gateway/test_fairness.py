@@ -1,0 +1,270 @@
+"""Fair shares between tenants: the counter rules on the pure queue, in exact numbers, and
+VTC's bound as a property over random traffic."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.controllers import make_sample
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kneegate.controllers.registry import build_controller
+from kneegate.gateway.admission import AdmissionQueue
+from kneegate.gateway.admission_types import (
+    Admitted,
+    ClassPolicy,
+    Queued,
+    Rejected,
+    RejectReason,
+    TenantPolicy,
+    Ticket,
+    UpstreamState,
+)
+from kneegate.gateway.fairness import OUTPUT_WEIGHT, FairQueue
+
+A, B, C = TenantPolicy("a"), TenantPolicy("b"), TenantPolicy("c")
+
+
+def ticket(tenant: TenantPolicy, at: float = 0.0, tokens: int = 10, cls: str = "c") -> Ticket:
+    return Ticket(cls, at, tokens=tokens, tenant=tenant)
+
+
+def serve(q: FairQueue) -> Ticket:
+    """Dispatch the head, as the admission queue does."""
+    t = q.head()
+    assert t is not None
+    q.remove(t)
+    q.dispatched(t)
+    return t
+
+
+def test_the_least_served_tenants_head_goes_first_and_fifo_within_a_tenant() -> None:
+    q = FairQueue()
+    a1, a2, b1 = ticket(A, 0.0), ticket(A, 0.1), ticket(B, 0.2)
+    for t in (a1, a2, b1):
+        q.append(t)
+    assert serve(q) is a1  # a tie at 0: the earlier arrival
+    assert q.counter("a") == 10.0  # its prompt estimate, weight 1
+    assert serve(q) is b1  # b (0) is now less served than a (10)
+    assert serve(q) is a2
+    assert q.head() is None and len(q) == 0
+
+
+def test_output_is_charged_twice_a_prompt_token_and_divided_by_the_weight() -> None:
+    q = FairQueue()
+    heavy = TenantPolicy("h", weight=2.0)
+    t = ticket(heavy, tokens=30)
+    q.append(t)
+    serve(q)
+    assert q.counter("h") == 15.0  # 30 prompt tokens / weight 2
+    q.charge_output(t, 5)  # streamed so far
+    assert q.counter("h") == 15.0 + OUTPUT_WEIGHT * 5 / 2 == 20.0
+    q.released(t, 8)  # 8 in all: the 3 not yet charged, now
+    assert q.counter("h") == 15.0 + OUTPUT_WEIGHT * 8 / 2 == 23.0
+    assert t.charged == 23.0
+
+
+def test_a_weight_of_two_gets_two_requests_for_one() -> None:
+    q = FairQueue()
+    gold = TenantPolicy("gold", weight=2.0)
+    for i in range(6):
+        q.append(ticket(gold, i / 10))
+        q.append(ticket(A, i / 10))
+    served = [serve(q).tenant.name for _ in range(9)]
+    assert (served.count("gold"), served.count("a")) == (6, 3)
+    assert (q.counter("gold"), q.counter("a")) == (30.0, 30.0)  # 60 / 2 and 30 / 1
+
+
+def test_an_arrival_is_lifted_to_the_least_backlogged_counter_so_idle_time_is_not_banked() -> None:
+    q = FairQueue()
+    for i in range(5):
+        q.append(ticket(A, i))
+        q.append(ticket(B, i))
+    assert [serve(q).tenant.name for _ in range(3)] == ["a", "b", "a"]
+    assert (q.counter("a"), q.counter("b")) == (20.0, 10.0)
+    late = ticket(C, 5.0)
+    q.append(late)
+    assert q.counter("c") == 10.0  # not 0: it gets no credit for the time it sent nothing
+    assert serve(q).tenant.name == "b" and serve(q) is late  # tied with b, which came first
+
+
+def test_a_refused_request_is_refunded_and_an_idle_tenant_at_the_floor_forgotten() -> None:
+    q = FairQueue()
+    t = ticket(A, tokens=40)
+    q.append(t)
+    serve(q)
+    q.charge_output(t, 3)
+    assert q.counter("a") == 46.0 and q.held("a") == 1
+    q.refund(t)  # the engine refused it unstarted
+    assert (t.charged, t.output_charged) == (0.0, 0)
+    assert q.counter("a") is None and q.held("a") == 0  # back to the floor, 0: forgotten
+
+
+def test_an_idle_tenant_keeps_its_debt_and_the_remembered_debts_are_bounded() -> None:
+    q = FairQueue()
+    q.IDLE_MAX = 2
+    done = []
+    for name in ("x", "y", "z"):
+        t = ticket(TenantPolicy(name), tokens=50)
+        q.append(t)
+        serve(q)
+        done.append(t)
+    for t in done:
+        q.released(t, 0)
+    assert q.floor == 0.0  # each was dispatched at 0, alone
+    # each owes 50 over the floor; two debts are remembered, x's (the oldest) forgotten
+    assert [q.counter(n) for n in ("x", "y", "z")] == [None, 50.0, 50.0]
+    back = ticket(TenantPolicy("y"))
+    q.append(back)
+    assert q.counter("y") == 50.0  # its debt came back with it
+
+
+def test_the_victim_is_the_newest_request_of_the_tenant_furthest_over_its_share() -> None:
+    q = FairQueue()
+    heavy = [ticket(A, i / 10) for i in range(4)]
+    for t in heavy:
+        q.append(t)
+    q.append(ticket(B, 0.5))
+    assert q.victim(ticket(B, 0.6)) is heavy[-1]  # a's queue ends at 40, b's at 20
+    arrival = ticket(A, 0.7)
+    assert q.victim(arrival) is arrival  # its own tenant is the one over its share
+
+
+def test_the_fair_position_counts_only_what_comes_before_it() -> None:
+    q = FairQueue()
+    for i in range(6):
+        q.append(ticket(A, i / 10))
+    assert q.position(ticket(B, 1.0)) == 1  # a's head (counter 0, tie, earlier) first
+    assert q.position(ticket(A, 1.0)) == 6  # behind its own six
+
+
+CLASSES = {"c": ClassPolicy("c", ttft_objective=2.0)}
+
+
+def one_slot() -> tuple[AdmissionQueue, UpstreamState]:
+    up = UpstreamState("u", build_controller("fixed", {"initial": 1}))
+    return AdmissionQueue([up], CLASSES, max_queue=4), up
+
+
+def test_a_light_tenant_waits_behind_one_heavy_request_not_the_heavy_queue() -> None:
+    q, up = one_slot()
+    first = ticket(A, 0.0)
+    assert q.offer(first, 0.0) == Admitted(up)  # a's counter: 10, its prompt
+    heavy = [ticket(A, 0.1 * i) for i in range(1, 4)]
+    assert [q.offer(t, t.arrived_at) for t in heavy] == [Queued(0), Queued(1), Queued(2)]
+    light = ticket(B, 0.5)
+    # lifted to a's 10 on arrival, a tie that a's older head wins: one ahead, not three
+    assert q.offer(light, 0.5) == Queued(1)
+    # the first request's 5 output tokens charge a 10 more: b (10) is now the less served
+    assert q.release(first, 1.0, make_sample(output_tokens=5)) == [light]
+    assert q.release(light, 2.0, make_sample(output_tokens=5)) == [heavy[0]]
+
+
+def test_a_full_queue_sheds_the_heavy_tenants_newest_not_the_light_arrival() -> None:
+    q, _ = one_slot()
+    q.offer(ticket(A, 0.0), 0.0)
+    heavy = [ticket(A, 0.1 * i) for i in range(1, 5)]
+    for t in heavy:
+        q.offer(t, t.arrived_at)
+    assert q.depth() == 4  # max_queue
+    light = ticket(B, 1.0)
+    verdict = q.offer(light, 1.0)
+    assert isinstance(verdict, Queued) and verdict.evicted is not None
+    victim, answer = verdict.evicted
+    assert victim is heavy[-1] and answer.reason is RejectReason.QUEUE_FULL
+    assert q.depth() == 4 and q.withdraw(victim) is False
+    again = q.offer(ticket(A, 1.1), 1.1)  # the heavy tenant's own arrival: refused itself
+    assert isinstance(again, Rejected) and again.reason is RejectReason.QUEUE_FULL
+
+
+def test_over_the_objective_the_heavy_tenants_newest_is_told_at_once() -> None:
+    up = UpstreamState("u", build_controller("fixed", {"initial": 1}))
+    policy = ClassPolicy("c", ttft_objective=1.5, queue_budget=0.9)
+    q = AdmissionQueue([up], {"c": policy}, max_queue=64)
+    held = ticket(A, 0.0)
+    q.offer(held, 0.0)
+    for i in range(1, 5):  # a completion every 0.25 s, each first token 0.5 s after dispatch
+        q.release(held, 0.25 * i, make_sample(ttft=0.5, output_tokens=5))
+        held = ticket(A, 0.25 * i)
+        assert isinstance(q.offer(held, 0.25 * i), Admitted)
+    assert q.completion_rate == pytest.approx(4.0) and q.engine_ttft == 0.5
+    # a queued request may wait 0.9 x (1.5 - 0.5) = 0.9 s: at 4 a second, 3 of them
+    heavy = [ticket(A, 1.1) for _ in range(3)]
+    assert [q.offer(t, 1.1) for t in heavy] == [Queued(0), Queued(1), Queued(2)]
+    fourth = q.offer(ticket(A, 1.1), 1.1)  # a's own: 1.0 s predicted, refused itself
+    assert isinstance(fourth, Rejected) and fourth.reason is RejectReason.OVER_OBJECTIVE
+    light = ticket(B, 1.2)
+    verdict = q.offer(light, 1.2)  # its place is second (0.5 s); a's last would be late
+    assert isinstance(verdict, Queued) and verdict.position == 1
+    assert verdict.evicted is not None
+    victim, answer = verdict.evicted
+    assert victim is heavy[-1] and answer.reason is RejectReason.OVER_OBJECTIVE
+    assert answer.retry_after == 1 and q.depth() == 3
+
+
+def test_a_tenant_at_its_in_flight_cap_is_refused_with_its_own_reason() -> None:
+    up = UpstreamState("u", build_controller("fixed", {"initial": 4}))
+    q = AdmissionQueue([up], CLASSES, max_queue=4)
+    capped = TenantPolicy("capped", max_inflight=2, label="capped")
+    assert isinstance(q.offer(ticket(capped), 0.0), Admitted)
+    assert isinstance(q.offer(ticket(capped), 0.0), Admitted)
+    third = q.offer(ticket(capped), 0.0)
+    assert isinstance(third, Rejected) and third.reason is RejectReason.TENANT_QUOTA
+    assert "'capped'" in third.message and "2 requests in flight" in third.message
+    assert isinstance(q.offer(ticket(A), 0.0), Admitted)  # others are not held to it
+
+
+def test_a_tenants_tokens_a_minute_are_a_bucket_refilled_continuously() -> None:
+    up = UpstreamState("u", build_controller("fixed", {"initial": 8}))
+    q = AdmissionQueue([up], CLASSES, max_queue=4)
+    metered = TenantPolicy("m", tokens_per_minute=600.0, label="m")  # 10 tokens a second
+    t = ticket(metered, tokens=400)
+    assert isinstance(q.offer(t, 0.0), Admitted)
+    q.release(t, 1.0, make_sample(output_tokens=250))  # 650 drawn, 10 refilled: -40
+    refused = q.offer(ticket(metered), 1.0)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.TENANT_QUOTA
+    assert refused.retry_after == 4  # 40 tokens at 10 a second
+    assert isinstance(q.offer(ticket(metered), 5.1), Admitted)
+
+
+def test_jains_index_reads_the_service_between_two_readings() -> None:
+    q = FairQueue()
+    for i in range(4):
+        q.append(ticket(A, i))
+        q.append(ticket(B, i))
+    assert q.jain() is None  # the first reading only sets the marks
+    serve(q), serve(q)  # a and b: 10 each
+    assert q.jain() == 1.0
+    t = serve(q)  # a: 10 more, then b is served nothing
+    q.charge_output(t, 45)  # 90 more
+    assert q.jain() == pytest.approx(100**2 / (2 * 100**2))  # 0.5: one took it all
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 50), st.integers(0, 40)),
+                min_size=20, max_size=200),
+       st.integers(1, 6))
+def test_two_backlogged_tenants_stay_within_the_bound(
+        traffic: list[tuple[int, int, int]], limit: int) -> None:
+    """VTC's bound as this queue keeps it: while tenants a and b stay backlogged, their
+    counters differ by at most the largest prompt charge plus `limit` x the largest output
+    charge (the requests in flight, whose output is charged as it streams)."""
+    q = FairQueue()
+    tenants = [A, B, C]
+    prompt_max, output_max = 50, OUTPUT_WEIGHT * 40
+    for i in range(40):  # a and b stay backlogged throughout: 40 requests each, queued first
+        q.append(ticket(A, i, tokens=1 + (7 * i) % 50))
+        q.append(ticket(B, i, tokens=1 + (11 * i) % 50))
+    inflight: list[tuple[Ticket, int]] = []
+    for who, prompt, out in traffic:
+        q.append(ticket(tenants[who], 100.0, tokens=prompt))  # c comes and goes; a, b more
+        while len(inflight) < limit and q:
+            inflight.append((serve(q), out))
+        t, total = inflight.pop(0)  # one ends: its output streams, then it is released
+        q.charge_output(t, total // 2)
+        q.released(t, total)
+        if q.queued("a") == 0 or q.queued("b") == 0:
+            break  # a or b no longer backlogged: the bound holds while both are
+        ca, cb = q.counter("a"), q.counter("b")
+        assert ca is not None and cb is not None
+        assert abs(ca - cb) <= prompt_max + limit * output_max
