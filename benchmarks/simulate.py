@@ -65,9 +65,11 @@ from kneegate.controllers.base import EngineStats, LimitController, Outcome, Sam
 from kneegate.controllers.registry import build_controller
 from kneegate.gateway.admission import AdmissionQueue
 from kneegate.gateway.admission_types import (
+    ANONYMOUS,
     Admitted,
     ClassPolicy,
     Queued,
+    TenantPolicy,
     Ticket,
     UpstreamState,
 )
@@ -127,6 +129,14 @@ class TrafficClass(_Strict):
     tpot: float | None = Field(None, gt=0, description="TPOT objective; default the scenario's")
 
 
+class Tenant(_Strict):
+    """One tenant of a scenario: its part of the arrivals and its weight (fair shares)."""
+
+    name: str
+    share: float = Field(gt=0, description="fraction of arrivals (relative to the others)")
+    weight: float = Field(1.0, gt=0, description="its fair-share weight in the gateway")
+
+
 class Scenario(_Strict):
     name: str
     description: str = ""
@@ -144,6 +154,8 @@ class Scenario(_Strict):
     phases: list[Phase] = Field(default_factory=lambda: [Phase(load=3.0)])
     controller_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     oracle_limits: list[int] | None = None
+    tenants: list[Tenant] = Field(
+        default_factory=list, description="none: every request is the same (anonymous) tenant")
 
     @property
     def changes(self) -> list[float]:
@@ -206,6 +218,7 @@ class _Req:
     tokens: int = 0
     fate: str = "pending"  # pending | done | shed | timeout
     ticket: Ticket | None = None  # its place in the gateway's queue
+    tenant: str = ""
 
 
 @dataclass
@@ -222,11 +235,13 @@ class Result:
     demand: list[float] = field(default_factory=list)  # offered / capacity, NaN before known
 
 
-def _arrivals(sc: Scenario, rate_unit: float, seed: int) -> list[tuple[float, str, int, int]]:
-    """(time, class, prompt, output) for the whole run; lengths uniform in [0.5, 1.5] x mean."""
+def _arrivals(sc: Scenario, rate_unit: float, seed: int) -> list[Arrival]:
+    """(time, class, prompt, output, tenant) for the whole run; lengths uniform in [0.5, 1.5]
+    x mean. A scenario without tenants draws no tenant (its arrivals are as they were)."""
     rng = random.Random(seed)
     shares = [c.share for c in sc.classes]
-    out: list[tuple[float, str, int, int]] = []
+    tenant_shares = [t.share for t in sc.tenants]
+    out: list[Arrival] = []
     t, state = 0.0, {"load": 0.0, "prompt_scale": 1.0}
     bounds = [p.at for p in sc.phases[1:]] + [sc.duration]
     for phase, end in zip(sc.phases, bounds, strict=True):
@@ -247,7 +262,8 @@ def _arrivals(sc: Scenario, rate_unit: float, seed: int) -> list[tuple[float, st
             cls = rng.choices(sc.classes, weights=shares)[0].name
             prompt = max(1, round(sc.prompt_tokens * state["prompt_scale"] * rng.uniform(0.5, 1.5)))
             outn = max(2, round(sc.output_tokens * rng.uniform(0.5, 1.5)))
-            out.append((t, cls, prompt, outn))
+            tenant = rng.choices(sc.tenants, weights=tenant_shares)[0].name if sc.tenants else ""
+            out.append((t, cls, prompt, outn, tenant))
     return out
 
 
@@ -266,7 +282,7 @@ def _fixed_name(limit: int, wait: float | None) -> str:
     return f"{limit}" if wait is None else f"{limit}/{wait:g}T"
 
 
-Arrival = tuple[float, str, int, int]  # (time, class, prompt tokens, output tokens)
+Arrival = tuple[float, str, int, int, str]  # (time, class, prompt, output tokens, tenant)
 Move = tuple[float, int, float | None]  # (at, total limit, wait cap): the switching oracle's
 
 
@@ -303,8 +319,12 @@ class _Sim:
         then: Sequence[Move] = (),
         wait: float | None = None,
         arrivals: Sequence[Arrival] | None = None,
+        fair: bool = True,
     ) -> None:
         self.sc = sc
+        # each tenant's policy, once (fair=False: every request one tenant, plain FIFO)
+        self.tenants = {t.name: TenantPolicy(t.name, t.weight, label=t.name)
+                        for t in sc.tenants} if fair else {}
         self.profile = load_profile(sc.profile, **sc.profile_overrides)
         self.core = EngineCore(self.profile, seed=seed)
         _knee, tput = true_knee(self.profile, sc.prompt_tokens, sc.output_tokens)
@@ -396,13 +416,14 @@ class _Sim:
         self.scrapes.append((now + self.SCRAPE_LAG, st))
 
     def _arrive(self, a: Arrival, n: int) -> None:
-        t, cls, prompt, out = a
+        t, cls, prompt, out, tenant = a
         gw = n % self.sc.gateways
-        r = _Req(f"r{n}", cls, gw, t, prompt, out)
+        r = _Req(f"r{n}", cls, gw, t, prompt, out, tenant=tenant)
         self.all.append(r)
         # the true prompt size: the gateway's bytes / 4 differs by a constant factor, and
         # knee uses ratios of sizes only (the queue tells the controller, as in the gateway)
-        ticket = r.ticket = Ticket(cls, t, payload=r, tokens=prompt)
+        ticket = r.ticket = Ticket(cls, t, payload=r, tokens=prompt,
+                                   tenant=self.tenants.get(tenant, ANONYMOUS))
         verdict = self.queues[gw].offer(ticket, t)
         if isinstance(verdict, Admitted):
             self._dispatch(ticket, t)
@@ -419,6 +440,10 @@ class _Sim:
         self.core.add_request(EngineRequest(r.id, r.prompt, r.out, ignore_eos=True))
 
     def _tick(self, now: float) -> None:
+        if self.tenants:  # the output streamed since the last tick, charged as the gateway does
+            for r in self.reqs.values():
+                assert r.ticket is not None
+                self.queues[r.gateway].charge(r.ticket, r.tokens - r.ticket.output_charged, now)
         knee = 0.0
         for q, up in zip(self.queues, self.ups, strict=True):
             dispatched, expired = q.tick(now)
@@ -476,14 +501,16 @@ def run(
     then: Sequence[Move] = (),
     wait: float | None = None,
     arrivals: Sequence[Arrival] | None = None,
+    fair: bool = True,
 ) -> Result:
     """One controller (or `fixed` at `limit`, total over the gateways) over one scenario.
 
     `wait`: every class's wait cap as this fraction of its TTFT objective (None: the
     scenario's `max_wait`); `then`: (at, limit, wait) moves of the fixed limit and the caps,
-    for the switching oracle; `arrivals`: these instead of the scenario's seeded ones.
+    for the switching oracle; `arrivals`: these instead of the scenario's seeded ones;
+    `fair`: False serves the scenario's tenants as one (FIFO within a class).
     """
-    return _Sim(sc, controller, seed, limit, then, wait, arrivals).run()
+    return _Sim(sc, controller, seed, limit, then, wait, arrivals, fair).run()
 
 
 # --- judging ---------------------------------------------------------------------------------
@@ -511,11 +538,13 @@ def _good(sc: Scenario, r: _Req, obj: dict[str, tuple[float, float]]) -> bool:
     return user_ttft(r) <= ttft and per_token <= tpot
 
 
-def goodput(res: Result, sc: Scenario, start: float, end: float) -> float:
-    """Tokens/s emitted in [start, end) by requests that met their objectives (spread evenly)."""
+def goodput(res: Result, sc: Scenario, start: float, end: float,
+            tenant: str | None = None) -> float:
+    """Tokens/s emitted in [start, end) by requests that met their objectives (spread evenly);
+    `tenant`: that tenant's requests only."""
     obj, tokens = _objectives(sc), 0.0
     for r in res.requests:
-        if not _good(sc, r, obj):
+        if not _good(sc, r, obj) or (tenant is not None and r.tenant != tenant):
             continue
         span = max(r.done - r.first, 1e-9)
         overlap = max(0.0, min(end, r.done) - max(start, r.first))
@@ -824,6 +853,79 @@ def _ttft_series(res: Result, sc: Scenario, step: float = 5.0) -> tuple[list[flo
     return [k * step for k in keys], [_q(sorted(bins[k]), 0.9) for k in keys]
 
 
+# --- tenants: fair shares against one FIFO ------------------------------------------------
+
+
+def water_fill(total: float, demands: dict[str, float],
+               weights: dict[str, float]) -> dict[str, float]:
+    """Max-min fair split of `total` by weight: none gets more than its demand, and what one
+    leaves is shared among the rest by their weights."""
+    share, left, open_ = dict.fromkeys(demands, 0.0), total, set(demands)
+    while open_ and left > 1e-9:
+        per = left / sum(weights[t] for t in open_)
+        capped = {t for t in open_ if demands[t] - share[t] <= per * weights[t]}
+        if not capped:
+            for t in open_:
+                share[t] += per * weights[t]
+            break
+        for t in capped:
+            left -= demands[t] - share[t]
+            share[t] = demands[t]
+        open_ -= capped
+    return share
+
+
+def jain(xs: Sequence[float]) -> float:
+    """Jain's index, (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one has all."""
+    squares = sum(x * x for x in xs)
+    return sum(xs) ** 2 / (len(xs) * squares) if squares > 0 else 1.0
+
+
+@dataclass
+class TenantRow:
+    tenant: str
+    weight: float
+    demand: float  # output tokens/s its arrivals asked for
+    fair_share: float  # the max-min fair split of the fair run's goodput
+    goodput: float  # with fair shares
+    fifo: float  # the same arrivals served as one tenant, FIFO
+
+
+def tenant_rows(sc: Scenario, controller: str, seed: int) -> tuple[list[TenantRow], float, float]:
+    """Per tenant, goodput with fair shares and without (one FIFO); and the two totals."""
+    fair, fifo = run(sc, controller, seed), run(sc, controller, seed, fair=False)
+    a, b = sc.warmup, sc.duration
+    weights = {t.name: t.weight for t in sc.tenants}
+    demands = dict.fromkeys(weights, 0.0)
+    for r in fair.requests:
+        if a <= r.arrived < b:
+            demands[r.tenant] += r.out / (b - a)
+    total, total_fifo = goodput(fair, sc, a, b), goodput(fifo, sc, a, b)
+    shares = water_fill(total, demands, weights)
+    rows = [TenantRow(t, weights[t], demands[t], shares[t], goodput(fair, sc, a, b, t),
+                      goodput(fifo, sc, a, b, t)) for t in weights]
+    return rows, total, total_fifo
+
+
+def tenant_table(sc: Scenario, controller: str, seed: int) -> str:
+    rows, total, total_fifo = tenant_rows(sc, controller, seed)
+    # backlogged: asked for more than its fair share (the others got all they asked)
+    backlogged = [r.goodput / r.weight for r in rows if r.demand > r.fair_share * 1.001]
+    lines = [
+        f"# {sc.name}, {controller}: fair shares vs one FIFO, goodput {total:.0f} vs "
+        f"{total_fifo:.0f} tok/s ({total / max(total_fifo, 1e-9):.3f}x); Jain's index over "
+        f"the {len(backlogged)} backlogged tenants {jain(backlogged):.3f}",
+        f"# {'tenant':<10} {'weight':>6} {'demand':>8} {'share':>8} {'fair':>8} "
+        f"{'fair/min':>8} {'fifo':>8} {'fifo/min':>8}",
+    ]
+    for r in rows:
+        due = max(min(r.fair_share, r.demand), 1e-9)  # what it should get: share or demand
+        lines.append(
+            f"# {r.tenant:<10} {r.weight:>6g} {r.demand:>8.0f} {r.fair_share:>8.0f} "
+            f"{r.goodput:>8.0f} {r.goodput / due:>8.3f} {r.fifo:>8.0f} {r.fifo / due:>8.3f}")
+    return "\n".join(lines)
+
+
 def simulate(sc: Scenario, controllers: list[str], seed: int, out: Path | None) -> list[Row]:
     orc = oracle(sc, seed)
     results = [run(sc, c, seed) for c in controllers]
@@ -863,6 +965,8 @@ def main(argv: list[str] | None = None) -> int:
             key = row.controller.split(" ")[0]
             if not key.startswith("fixed"):
                 totals[key] = totals.get(key, 0.0) + row.ratio
+        if sc.tenants:
+            print(tenant_table(sc, controllers[0], args.seed))
         print(f"# {name}: {time.perf_counter() - t0:.1f} s wall", file=sys.stderr, flush=True)
     print(
         "total goodput/oracle over the suite: "

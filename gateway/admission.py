@@ -197,7 +197,7 @@ class AdmissionQueue:
         if higher == 0 and not q:
             up = least_full(self.upstreams, ticket.tokens)
             if up is not None:
-                self._dispatch(ticket, up, now)
+                self._dispatch(ticket, up, now, queued=False)
                 return Admitted(up)
         policy = self.classes[cls]
         objective = self.objective(ticket)
@@ -467,10 +467,12 @@ class AdmissionQueue:
                     ahead += len(q)
         return ahead
 
-    def _dispatch(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
-        """Send `ticket` to `up`: its slot, and its tenant's charge for its prompt."""
+    def _dispatch(self, ticket: Ticket, up: UpstreamState, now: float,
+                  queued: bool = True) -> None:
+        """Send `ticket` to `up` (`queued`: from its class's queue, else straight through):
+        its slot, and its tenant's charge for its prompt."""
         self._place(ticket, up, now)
-        self._queues[ticket.cls].dispatched(ticket)
+        self._queues[ticket.cls].dispatched(ticket, queued)
         self._buckets.take(ticket.tenant, ticket.tokens, now)
 
     def _place(self, ticket: Ticket, up: UpstreamState, now: float) -> None:

@@ -74,6 +74,7 @@ class FairQueue:
     """One class's queue: a FIFO per tenant, the least-served tenant's head first."""
 
     IDLE_MAX = 1024  # idle tenants whose debt is remembered
+    CREDIT = 2.0  # requests' worth a tenant coming back starts ahead of the least served
 
     floor: float = 0.0  # the least backlogged counter at the last dispatch
     # a request's expected output charge, for estimating queued work (an EWMA)
@@ -101,24 +102,24 @@ class FairQueue:
         return len(self._backlogged)
 
     def head(self) -> Ticket | None:
-        """The next to dispatch: the head of the least-served backlogged tenant."""
+        """The next to dispatch: the head of the least-served backlogged tenant (on a tie,
+        the one with less queued, then the one whose head came first)."""
         best: _Account | None = None
         for a in self._backlogged.values():
             if best is None or a.counter < best.counter or (
                     a.counter == best.counter
-                    and a.queued[0].arrived_at < best.queued[0].arrived_at):
+                    and (len(a.queued), a.queued[0].arrived_at)
+                    < (len(best.queued), best.queued[0].arrived_at)):
                 best = a
         return None if best is None else best.queued[0]
 
     def append(self, ticket: Ticket) -> None:
         """Queue `ticket` behind its tenant's; a tenant not backlogged is lifted first."""
-        a = self._account(ticket.tenant)
-        self._enqueue(a, ticket, left=False)
+        self._enqueue(ticket, left=False)
 
     def appendleft(self, ticket: Ticket) -> None:
         """Queue `ticket` ahead of its tenant's (an engine refused it unstarted)."""
-        a = self._account(ticket.tenant)
-        self._enqueue(a, ticket, left=True)
+        self._enqueue(ticket, left=True)
 
     def remove(self, ticket: Ticket) -> bool:
         """Take a queued `ticket` out (dispatched, timed out, withdrawn, evicted)."""
@@ -155,11 +156,14 @@ class FairQueue:
 
     # --- charging ------------------------------------------------------------------
 
-    def dispatched(self, ticket: Ticket) -> None:
-        """`ticket` (already removed) goes to an engine: charge its prompt estimate. Its
-        tenant was the least served backlogged one (or the queue was empty): its counter
-        is the class's floor from now on."""
-        a = self._account(ticket.tenant)
+    def dispatched(self, ticket: Ticket, queued: bool = True) -> None:
+        """`ticket` goes to an engine: charge its prompt estimate. `queued`: it was taken
+        from this queue (its tenant was the least served backlogged one); else it went
+        straight through an empty queue, and its tenant starts as `append` would have it.
+        Its counter is the class's floor from now on."""
+        a = self._accounts.get(ticket.tenant.name)
+        if a is None or not queued:
+            a = self._account(ticket.tenant, self._start(ticket))
         self.floor = max(self.floor, a.counter)
         a.inflight += 1
         self._charge(a, ticket, PROMPT_WEIGHT * ticket.tokens)
@@ -203,8 +207,7 @@ class FairQueue:
         average; the counters as they stand)."""
         mine = self._backlogged.get(ticket.tenant.name)
         if mine is None:  # lifted as `append` would
-            counter = max(self._counter_of(ticket.tenant.name), self._least_backlogged())
-            n, queued_tokens = 0, 0
+            counter, n, queued_tokens = self._start(ticket), 0, 0
         else:
             counter, n, queued_tokens = mine.counter, len(mine.queued), mine.queued_tokens
         finish = counter + (PROMPT_WEIGHT * (queued_tokens + ticket.tokens)
@@ -267,38 +270,50 @@ class FairQueue:
         """Where the tenant's last queued request would finish, in counter units."""
         a = self._backlogged.get(policy.name)
         if a is None:  # lifted as `append` would
-            counter = max(self._counter_of(policy.name), self._least_backlogged())
-            n, tokens = 0, 0
+            assert extra is not None, "a tenant with nothing queued ends where it starts"
+            counter, n, tokens = self._start(extra), 0, 0
         else:
             counter, n, tokens = a.counter, len(a.queued), a.queued_tokens
         if extra is not None:
             n, tokens = n + 1, tokens + extra.tokens
         return counter + (PROMPT_WEIGHT * tokens + n * self.mean_output) / policy.weight
 
-    def _counter_of(self, name: str) -> float:
-        a = self._accounts.get(name)
+    def _start(self, ticket: Ticket) -> float:
+        """Where `ticket`'s tenant starts as it comes back to the queue: at the least
+        backlogged counter (the floor when none is), no credit for the time it sent nothing;
+        a tenant with requests still in flight up to `CREDIT` requests short of it; one
+        that left owing (`_idle`), where its debt puts it."""
+        least = self._least_backlogged()
+        a = self._accounts.get(ticket.tenant.name)
         if a is not None:
-            return a.counter
-        return max(self._idle.get(name, self.floor), self.floor)
+            cost = (PROMPT_WEIGHT * ticket.tokens + self.mean_output) / ticket.tenant.weight
+            return max(a.counter, least - self.CREDIT * cost)
+        return max(self._idle.get(ticket.tenant.name, least), least)
 
-    def _account(self, policy: TenantPolicy) -> _Account:
+    def _account(self, policy: TenantPolicy, start: float) -> _Account:
+        """Tenant `policy`'s account, made at `start` when it has none; at `start` too when
+        it has nothing queued (`start` is never below its counter: `_start`)."""
         a = self._accounts.get(policy.name)
         if a is None:
-            counter = max(self._idle.pop(policy.name, self.floor), self.floor)
-            a = self._accounts[policy.name] = _Account(policy, counter)
+            self._idle.pop(policy.name, None)
+            a = self._accounts[policy.name] = _Account(policy, start)
         else:
             a.policy = policy  # a reload may have changed its weight
+            if not a.queued:
+                a.counter = start
         return a
 
-    def _enqueue(self, a: _Account, ticket: Ticket, left: bool) -> None:
-        if not a.queued:  # arriving, or back after idle: no credit for the time away
-            a.counter = max(a.counter, self._least_backlogged())
+    def _enqueue(self, ticket: Ticket, left: bool) -> None:
+        a = self._backlogged.get(ticket.tenant.name)
+        if a is None:  # arriving, or back after a while
+            a = self._account(ticket.tenant, self._start(ticket))
             self._backlogged[a.policy.name] = a
         (a.queued.appendleft if left else a.queued.append)(ticket)
         a.queued_tokens += ticket.tokens
         self._len += 1
 
     def _least_backlogged(self) -> float:
+        """The least counter of a tenant with something queued; the floor when none has."""
         return min((b.counter for b in self._backlogged.values()), default=self.floor)
 
     def _charge(self, a: _Account, ticket: Ticket, amount: float) -> None:

@@ -101,7 +101,7 @@ def test_user_ttft_includes_the_gateway_queue_wait() -> None:
     # tiny, but its user waited the queue out. A 4 s objective lets it wait and be served.
     sc = load_scenario("cpu-tiny-3x").model_copy(
         update={"duration": 20.0, "warmup": 0.0, "ttft": 4.0})
-    arrivals = [(0.0, "default", 128, 400), (0.0, "default", 128, 400)]
+    arrivals = [(0.0, "default", 128, 400, ""), (0.0, "default", 128, 400, "")]
     res = run(sc, "fixed", seed=7, limit=1, arrivals=arrivals)
     first, second = res.requests
     assert first.fate == second.fate == "done"
@@ -121,7 +121,7 @@ def test_a_request_that_would_wait_past_its_objective_never_reaches_the_engine()
     # it, so the time-bounded queue answers it then and the engine never sees it; goodput is
     # the first one's tokens alone
     sc = load_scenario("cpu-tiny-3x").model_copy(update={"duration": 20.0, "warmup": 0.0})
-    arrivals = [(0.0, "default", 128, 400), (0.0, "default", 128, 400)]
+    arrivals = [(0.0, "default", 128, 400, ""), (0.0, "default", 128, 400, "")]
     res = run(sc, "fixed", seed=7, limit=1, arrivals=arrivals)
     first, second = res.requests
     assert (first.fate, second.fate) == ("done", "timeout")

@@ -40,13 +40,15 @@ def serve(q: FairQueue) -> Ticket:
 
 def test_the_least_served_tenants_head_goes_first_and_fifo_within_a_tenant() -> None:
     q = FairQueue()
-    a1, a2, b1 = ticket(A, 0.0), ticket(A, 0.1), ticket(B, 0.2)
-    for t in (a1, a2, b1):
+    a1, a2, b1, b2, b3 = (ticket(A, 0.0), ticket(A, 0.1), ticket(B, 0.2), ticket(B, 0.3),
+                          ticket(B, 0.4))
+    for t in (a1, a2, b1, b2, b3):
         q.append(t)
-    assert serve(q) is a1  # a tie at 0: the earlier arrival
+    assert serve(q) is a1  # a tie at 0: the tenant with less queued
     assert q.counter("a") == 10.0  # its prompt estimate, weight 1
     assert serve(q) is b1  # b (0) is now less served than a (10)
-    assert serve(q) is a2
+    assert serve(q) is a2  # a tie at 10, one queued each: the head that came first
+    assert [serve(q), serve(q)] == [b2, b3]
     assert q.head() is None and len(q) == 0
 
 
@@ -85,7 +87,8 @@ def test_an_arrival_is_lifted_to_the_least_backlogged_counter_so_idle_time_is_no
     late = ticket(C, 5.0)
     q.append(late)
     assert q.counter("c") == 10.0  # not 0: it gets no credit for the time it sent nothing
-    assert serve(q).tenant.name == "b" and serve(q) is late  # tied with b, which came first
+    assert serve(q) is late  # tied with b, and less queued
+    assert serve(q).tenant.name == "b"
 
 
 def test_a_refused_request_is_refunded_and_an_idle_tenant_at_the_floor_forgotten() -> None:
@@ -268,3 +271,20 @@ def test_two_backlogged_tenants_stay_within_the_bound(
         ca, cb = q.counter("a"), q.counter("b")
         assert ca is not None and cb is not None
         assert abs(ca - cb) <= prompt_max + limit * output_max
+
+
+def test_a_tenant_with_answers_still_streaming_comes_back_ahead_a_new_key_does_not() -> None:
+    q = FairQueue()  # CREDIT 2: up to two of its requests short of the least served
+    for i in range(4):
+        q.append(ticket(A, i, tokens=100))
+    streaming = ticket(B)
+    q.append(streaming)
+    assert serve(q) is streaming  # b: 10, in flight
+    serve(q)  # a: 100
+    newcomer, back = ticket(C, 5.0), ticket(B, 5.1)
+    q.append(newcomer)
+    q.append(back)
+    # the least backlogged is a at 100: c, a key never seen, starts there (no credit it has
+    # not earned); b at max(10, 100 - 2 x 10) = 80
+    assert (q.counter("b"), q.counter("c")) == (80.0, 100.0)
+    assert serve(q) is back and serve(q) is newcomer  # then c and a tie: c has less queued
