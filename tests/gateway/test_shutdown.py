@@ -19,7 +19,15 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
+from helpers.gateway import (
+    FakeEngine,
+    assert_conserved,
+    gw_config,
+    scrape,
+    serve,
+    total,
+    until,
+)
 from prometheus_client import generate_latest
 from test_cli import free_port, until_up
 
@@ -65,12 +73,6 @@ async def rig(engine: FakeEngine, grace: float, limit: int = 1) -> AsyncIterator
         server = QuietServer(uvicorn_config(app))
         async with running(server) as gw, httpx.AsyncClient(timeout=10) as client:
             yield Rig(engine, app, server, gw, client)
-
-
-async def until(cond: Any, seconds: float = 5.0) -> None:
-    with anyio.fail_after(seconds):
-        while not cond():
-            await asyncio.sleep(0.01)
 
 
 def assert_idle(m: dict[Any, float]) -> None:

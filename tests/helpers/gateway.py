@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Callable
 from typing import Any
 
+import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kneegate.gateway.config import GatewayConfig, parse_config
@@ -22,6 +24,13 @@ def gw_config(upstream: str | None = None, **overrides: Any) -> GatewayConfig:
                               "params": {"initial": limit}}]
     data.update(overrides)
     return parse_config(data)
+
+
+async def until(cond: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Wait for `cond` (a state of the gateway in this event loop), failing after `seconds`."""
+    with anyio.fail_after(seconds):
+        while not cond():
+            await asyncio.sleep(0.01)
 
 
 def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
