@@ -25,6 +25,11 @@ Arms (`--arms`, comma-separated):
                   the 20% back-off of benchmarks.sweep; keep each step longer than one answer
                   at the top level, or that level reads low)
 
+`--keys heavy:8,light:1` gives each user an API key (`Authorization: Bearer NAME`), drawn by
+those shares: the tenants of issue 15. Each cell then prints a line per key: its demand
+(output tokens/s its measured users asked for), the fraction of that demand completed with a
+first token within the objective, its rejections and how many carried Retry-After.
+
 `--upstream URL --model NAME` measures a running engine (real vLLM) instead: every cell uses
 it as it is (no valve arms; its own flags are set where it was started). `--start-vllm`
 starts the real-vLLM tier's vLLM (tests/real_vllm/vllm_server.py) for the run, and a vLLM of
@@ -98,6 +103,8 @@ class Record:
     done: bool = False
     gave_up: bool = False
     error: str | None = None
+    key: str = ""  # the API key it sent (`--keys`), "" for none
+    retry_after: bool = False  # a rejection that said when to come back
 
 
 # -- the client ----------------------------------------------------------------------------
@@ -122,11 +129,14 @@ class _Client:
     async def one(self, rec: Record) -> None:
         loop = asyncio.get_running_loop()
         sent, sent_loop = time.monotonic(), loop.time()
+        headers = {"authorization": f"Bearer {rec.key}"} if rec.key else None
         try:
             async with asyncio.timeout(self.args.give_up) as bound:
-                async with self.session.post(self.endpoint, json=self.body) as resp:
+                async with self.session.post(self.endpoint, json=self.body,
+                                             headers=headers) as resp:
                     rec.answer, rec.status = time.monotonic() - sent, resp.status
                     if resp.status != 200:
+                        rec.retry_after = "retry-after" in resp.headers
                         await resp.read()
                         return
                     await self._stream(rec, resp, sent, bound, sent_loop)
@@ -174,6 +184,8 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
     measured user has ended or `request_timeout` s have passed. Bounded in count and time.
     """
     rng = random.Random(seed)
+    keys = parse_keys(args.keys)
+    key_rng = random.Random(seed + 1)  # its own stream: the arrival times stay as they were
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     users = [] if users is None else users
@@ -199,6 +211,8 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
                 await asyncio.sleep(min(next_at - now, 0.5))
                 continue
             rec = Record(measured=start <= now < end)
+            if keys:
+                rec.key = key_rng.choices(list(keys), weights=list(keys.values()))[0]
             users.append(rec)
             task = asyncio.create_task(client.one(rec))
             tasks.add(task)
@@ -251,6 +265,41 @@ def summarize(users: list[Record], seconds: float, capacity_tok_s: float,
         "gave_up": sum(r.gave_up for r in recs),
         "errors": sum(r.error is not None for r in recs),
     }
+
+
+def parse_keys(text: str | None) -> dict[str, float]:
+    """`heavy:8,light:1` -> {"heavy": 8.0, "light": 1.0}: API keys and their shares."""
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in (text or "").split(",") if p.strip()):
+        name, _, share = part.partition(":")
+        out[name] = float(share or 1)
+    return out
+
+
+def per_key(users: list[Record], seconds: float, max_tokens: int,
+            objective: float) -> dict[str, dict[str, Any]]:
+    """Per API key, over its measured users: demand (output tokens/s asked for), the part of
+    it completed with a first token within `objective`, rejections and their Retry-After."""
+    out: dict[str, dict[str, Any]] = {}
+    for key in sorted({r.key for r in users if r.measured}):
+        recs = [r for r in users if r.measured and r.key == key]
+        asked = len(recs) * max_tokens
+        served = sum(r.tokens for r in recs
+                     if r.done and r.ttft is not None and r.ttft <= objective)
+        rejected = [r for r in recs if r.status is not None and r.status != 200]
+        out[key] = {"users": len(recs), "demand_tok_s": asked / seconds,
+                    "served_within_objective": served / asked if asked else None,
+                    "rejected": len(rejected),
+                    "with_retry_after": sum(r.retry_after for r in rejected)}
+    return out
+
+
+def _key_row(key: str, k: dict[str, Any]) -> str:
+    served = k["served_within_objective"]
+    return (f"    key {key}: {k['users']} users, demand {k['demand_tok_s']:.0f} tok/s, "
+            f"{'-' if served is None else format(served, '.2f')} of it completed with a "
+            f"first token within the objective; {k['rejected']} rejected, "
+            f"{k['with_retry_after']} with Retry-After")
 
 
 def _ms(x: float | None) -> float | None:
@@ -443,9 +492,14 @@ def _run(args: argparse.Namespace) -> Report:
             with _serving(arm, args.profile, args.upstream, args.start_vllm) as url:
                 recs = asyncio.run(run_cell(url, rate, args, seed=args.seed + int(load * 1000)))
             s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective)
+            keys = per_key(recs, args.seconds, args.max_tokens, args.objective)
             rep.rows.append({"arm": arm.name, "load": load, "offered_rps": rate,
-                             "sent_rps": s["users"] / args.seconds, **s})
+                             "sent_rps": s["users"] / args.seconds, **s,
+                             **({"keys": keys} if args.keys else {})})
             print(_row(arm.name, load, rate, s), flush=True)
+            if args.keys:
+                for key, k in keys.items():
+                    print(_key_row(key, k), flush=True)
     return rep
 
 
@@ -475,6 +529,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--fixed-limit", type=int, help="kneegate-fixed's limit (else a sweep)")
     ap.add_argument("--sweep-levels", default="4,8,16,32,64")
     ap.add_argument("--sweep-seconds", type=float, default=10.0, help="measured, per level")
+    ap.add_argument("--keys", help="API keys and their shares of the users, e.g. heavy:8,light:1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the run (rows and settings) here")
     return ap

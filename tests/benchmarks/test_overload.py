@@ -16,6 +16,8 @@ from kneegate.benchmarks.overload import (
     Record,
     main,
     parse_arms,
+    parse_keys,
+    per_key,
     parser,
     run_cell,
     summarize,
@@ -48,6 +50,28 @@ def test_summarize_judges_by_the_users_clock() -> None:
     assert s["rejection_p99_ms"] == pytest.approx(39.64)
     assert s["ttft_p50_ms"] == pytest.approx(1450.0)
     assert s["gave_up"] == 1 and s["errors"] == 2
+
+
+def test_per_key_figures_follow_each_keys_measured_users() -> None:
+    assert parse_keys("heavy:8,light:1") == {"heavy": 8.0, "light": 1.0}
+    assert parse_keys(None) == {}
+
+    def user(key: str, ttft: float | None, **kw: object) -> Record:
+        return Record(True, 200, 0.01, ttft, 64, 64, key=key, **kw)  # type: ignore[arg-type]
+
+    recs = [
+        user("light", 0.5, done=True),
+        user("light", 2.5, done=True),  # completed, but its first token came late
+        user("heavy", 0.4, done=True),
+        Record(True, status=429, answer=0.003, key="heavy", retry_after=True),
+        Record(True, status=503, answer=0.003, key="heavy"),
+        Record(False, 200, 0.01, 0.1, 64, 64, done=True, key="light"),  # not measured
+    ]
+    k = per_key(recs, seconds=2.0, max_tokens=64, objective=2.0)
+    assert k["light"] == {"users": 2, "demand_tok_s": 64.0, "served_within_objective": 0.5,
+                          "rejected": 0, "with_retry_after": 0}
+    assert k["heavy"]["served_within_objective"] == pytest.approx(1 / 3)
+    assert (k["heavy"]["rejected"], k["heavy"]["with_retry_after"]) == (2, 1)
 
 
 def test_arms_expand_and_refuse_unknown_names() -> None:
