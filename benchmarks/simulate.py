@@ -78,13 +78,17 @@ __all__ = [
     "WAIT_CAPS",
     "Result",
     "Scenario",
+    "Tenant",
     "demand_ratio",
     "engine_ttft",
+    "jain",
     "load_scenario",
     "run",
     "scenario_names",
+    "tenant_rows",
     "true_knee",
     "user_ttft",
+    "water_fill",
 ]
 
 SCENARIOS = Path(__file__).with_name("scenarios")

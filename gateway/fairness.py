@@ -314,7 +314,9 @@ class FairQueue:
 
     def _least_backlogged(self) -> float:
         """The least counter of a tenant with something queued; the floor when none has."""
-        return min((b.counter for b in self._backlogged.values()), default=self.floor)
+        if not self._backlogged:  # most dispatches: straight through an empty queue
+            return self.floor
+        return min(b.counter for b in self._backlogged.values())
 
     def _charge(self, a: _Account, ticket: Ticket, amount: float) -> None:
         share = amount / a.policy.weight
