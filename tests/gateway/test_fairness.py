@@ -137,7 +137,7 @@ def test_the_fair_position_counts_only_what_comes_before_it() -> None:
     q = FairQueue()
     for i in range(6):
         q.append(ticket(A, i / 10))
-    assert q.position(ticket(B, 1.0)) == 1  # a's head (counter 0, tie, earlier) first
+    assert q.position(ticket(B, 1.0)) == 0  # a tie at 0 that b wins: less queued
     assert q.position(ticket(A, 1.0)) == 6  # behind its own six
 
 
@@ -149,16 +149,16 @@ def one_slot() -> tuple[AdmissionQueue, UpstreamState]:
     return AdmissionQueue([up], CLASSES, max_queue=4), up
 
 
-def test_a_light_tenant_waits_behind_one_heavy_request_not_the_heavy_queue() -> None:
+def test_a_light_tenant_waits_for_a_slot_not_for_the_heavy_queue() -> None:
     q, up = one_slot()
     first = ticket(A, 0.0)
     assert q.offer(first, 0.0) == Admitted(up)  # a's counter: 10, its prompt
     heavy = [ticket(A, 0.1 * i) for i in range(1, 4)]
     assert [q.offer(t, t.arrived_at) for t in heavy] == [Queued(0), Queued(1), Queued(2)]
     light = ticket(B, 0.5)
-    # lifted to a's 10 on arrival, a tie that a's older head wins: one ahead, not three
-    assert q.offer(light, 0.5) == Queued(1)
-    # the first request's 5 output tokens charge a 10 more: b (10) is now the less served
+    # lifted to a's 10 on arrival, a tie it wins (less queued): none ahead, not three
+    assert q.offer(light, 0.5) == Queued(0)
+    # (and the first request's 5 output tokens charge a 10 more: b is the less served)
     assert q.release(first, 1.0, make_sample(output_tokens=5)) == [light]
     assert q.release(light, 2.0, make_sample(output_tokens=5)) == [heavy[0]]
 
@@ -197,8 +197,8 @@ def test_over_the_objective_the_heavy_tenants_newest_is_told_at_once() -> None:
     fourth = q.offer(ticket(A, 1.1), 1.1)  # a's own: 1.0 s predicted, refused itself
     assert isinstance(fourth, Rejected) and fourth.reason is RejectReason.OVER_OBJECTIVE
     light = ticket(B, 1.2)
-    verdict = q.offer(light, 1.2)  # its place is second (0.5 s); a's last would be late
-    assert isinstance(verdict, Queued) and verdict.position == 1
+    verdict = q.offer(light, 1.2)  # its place is first (0.25 s); a's last would be late
+    assert isinstance(verdict, Queued) and verdict.position == 0
     assert verdict.evicted is not None
     victim, answer = verdict.evicted
     assert victim is heavy[-1] and answer.reason is RejectReason.OVER_OBJECTIVE
