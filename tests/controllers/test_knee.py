@@ -436,3 +436,16 @@ def test_a_burst_the_engine_has_not_yet_seen_is_no_level() -> None:
     ctl.on_tick(t, 20)
     window(ctl, t, 28, 700.0)
     assert ctl.knee() == before == (None, True)
+
+
+def test_a_drain_beside_another_gateway_keeps_the_share() -> None:
+    # another gateway holds as many as this one: the engine runs twice its in-flight
+    ctl = make(initial=20, probe_every=100)
+    total, t = [0.0], 0.0
+    for _ in range(3):
+        t = drain_window(ctl, t, 20, 40, 0.8, total)
+    assert ctl.limit == 23  # 0.95 x the room of 50 x 1/2
+    # this gateway drains first: 10 of 36, then 6 of 30 would read a share of 0.2-0.3
+    for mine, running in ((10, 36), (6, 30)):
+        t = drain_window(ctl, t, mine, running, 0.7, total)
+    assert ctl.limit == 23
