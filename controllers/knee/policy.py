@@ -9,7 +9,8 @@ requests still run), or at `max_window`. Each closed window:
             of prefills after it) or the engine queued (the plateau at no level); after a
             rise, a window whose engine in-flight filled 0.8 x the gateway's peak and whose
             throughput grew from the highest level with elasticity >= 1/2 counts
-    room    re-read (`Room.measure`)
+    room    re-read (`Room.measure`); app-limited, a lower reading is no news
+    share   learnt (`Share.update`), not while app-limited
     knee    = min(curve knee, room)          (published only within a climb step of the
                                               levels measured, or from a grounded room)
     target  = min(headroom x knee, ceiling) x share          (ceiling x share: no knee)
@@ -26,6 +27,10 @@ Regions, in order:
              steps away, no more than (1 + climb) x the highest level measured (every
              level of the climb is measured before the next)
     low      app-limited, or the engine queued: limit = min(limit, target) (never grows)
+
+App-limited (`idle`): in-flight at the limit for under `saturation` of the window, the
+token budget refused no request in it (`fits`; then demand met the budget, not the limit:
+H100 held 600 in flight under a limit of 630 that way), the engine not full, no breach.
 
 A window that moved the limit by more than a bin marks the next one as measuring the
 move; a cut makes samples admitted before it no measurement.
@@ -81,6 +86,7 @@ class Knee(Windowed):
         self._probing = False  # this window's target is a probe above the knee
         self._now = -math.inf  # the last tick's time
         self._arrivals_seen = False  # the gateway reports arrivals: admissions are not read
+        self._held_back = False  # the token budget refused a request in this window
 
     @property
     def limit(self) -> int:
@@ -101,7 +107,9 @@ class Knee(Windowed):
         sees only its own requests)."""
         if not self._share.alone():
             return True
-        return self._kv.fits(inflight, inflight_tokens, tokens, self._cal)
+        fits = self._kv.fits(inflight, inflight_tokens, tokens, self._cal)
+        self._held_back = self._held_back or not fits  # demand met the budget: not idle
+        return fits
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -152,12 +160,14 @@ class Knee(Windowed):
 
     def _on_engine_stats(self, stats: EngineStats) -> None:
         super()._on_engine_stats(stats)
+        self._share.scrape(stats.at, stats.running + stats.waiting)
         c = self.cfg
         learn = self._epoch.settled(stats.at, c.window, c.max_window) and self._calibrated()
         self._kv.scrape(stats, self._cal.tokens(self._sizes.learned), self._cal, learn)
 
     def _on_tick(self, now: float, inflight: int) -> None:
         self._now = now
+        self._share.tick(now, inflight, self.cfg.max_window)
         super()._on_tick(now, inflight)
 
     def _quorum(self, w: Window) -> int:
@@ -176,11 +186,14 @@ class Knee(Windowed):
         measured = w.samples or w.engine_throughput is not None
         if measured and (bad or not self._moved or self._climbed(w, level)) and not full:
             self._curve.learn(w, level, bad)
-        self._room.measure(w, full, self._epoch.draining(w.start), c.room_rise)
+        # app-limited: demand under the limit, and under the token budget, with room to spare
+        idle = w.saturated < c.saturation and not (full or bad or self._held_back)
+        self._held_back = False
+        self._room.measure(w, full, self._epoch.draining(w.start), c.room_rise, idle)
         before = self._limit
         self._probing = False
         target = self._target(level) * self._share.update(
-            w, level, not (self._moved or self._epoch.draining(w.start)), c.smoothing
+            w, level, not (idle or self._moved or self._epoch.draining(w.start)), c.smoothing
         )
         if bad:
             # decrease needs no proof of load: cut below what was actually in flight
@@ -193,7 +206,8 @@ class Knee(Windowed):
             grow = target if self._probing else self._grow(level)
             self._set_limit(max(1.0, min(target, grow)))
         else:
-            # app-limited or queued: hold — there is no evidence the engine takes more
+            # app-limited or queued: hold — there is no evidence the engine takes more (a
+            # knee the curve measured still cuts: a decrease needs no proof of load)
             self._set_limit(max(1.0, min(self._limit, target)))
         self._moved = abs(self._limit - before) > c.bin_ratio * before
         self._moved_up = self._moved and self._limit > before

@@ -6,6 +6,7 @@ Room, per closed window with engine scrapes (mean running `run`, mean KV use `kv
     room  = run                 if full      (what runs when the queue forms)
           = run / kv            otherwise    (what runs when the KV cache would be full)
     room' = room                if room <= room_prev     (a fall is news: at once)
+          = room_prev                if room <  room_prev and app-limited (`idle`)
           = room_prev x (1 - room_rise) + room x room_rise   (a rise is smoothed)
 
 A queue under `queue_jitter` of the running count is the scheduler's jitter (a prefill
@@ -14,17 +15,37 @@ a rescale still finish the room does not rise (the engine still holds small ones
 reading is *grounded* (measured, not extrapolated) from a queue or from a KV cache at
 least `GROUNDED_KV` full: one request in 0.06% of the cache "reads" room for 1600.
 
-Share: this gateway's part of the engine's in-flight, min(1, in-flight / level), smoothed
-with weight `smoothing`; learnt only in windows that did not move the limit (scrapes lag
-a move by seconds) nor drain a rescale. `alone()`: the share is at least 0.9 (1 on a
-gateway's own curve), so the KV edge and the token budget, which count only this
-gateway's requests, may act. Pure: no clock, no I/O.
+App-limited (`idle`: in-flight under the limit for most of the window, the token budget
+refused nothing, the engine not full, no breach) a lower room is no news: as the engine
+drains, the longest answers are the last to finish and each holds more KV than the mean,
+so running / KV use falls (bursts-lowrate, between bursts: 48 -> 33) with no change in the
+engine. Read as news it drew the limit from ~46 to ~30 between bursts, and each burst
+started short: the scenario read 0.87 / 0.67 / 0.72 of the oracle at seeds 7 / 1 / 2
+(`python -m kneegate.benchmarks.simulate --scenario bursts-lowrate --controllers knee`),
+0.90 with the room held (then the curve's knee bound: see `Curve.learn`).
+
+Share: this gateway's part of the engine's in-flight, smoothed with weight `smoothing`;
+learnt only in windows that did not move the limit (scrapes lag a move by seconds), nor
+drain a rescale, nor were app-limited (a drain's in-flight falls at the gateway before
+the scrapes show it). Read like for like: this gateway's in-flight at each scrape's own
+time (the last tick at or before it) over the engine's running + waiting in it, summed
+over the window's scrapes; min(1, in-flight / level) where no tick came before them.
+The scrapes come 1.5 s late in the simulator, seconds in vLLM: read side by side with
+the window's mean in-flight, four gateways ramping together each read 0.41-0.51 of the
+engine where they held 0.25, kept their initial 16 (64 against an engine that runs 46),
+and the engine queued 20 for 25 s: four-gateways read 0.830 / 0.863 / 0.890 of the oracle
+(seeds 7 / 1 / 2), 0.938 / 0.955 / 0.957 read at the scrapes' times. `alone()`: the share is
+at least 0.9 (1 on a gateway's own curve), so the KV edge and the token budget, which
+count only this gateway's requests, may act; alone, the target applies no share (a
+gateway alone read 0.95-0.99 while in-flight ramped between ticks, and bursts at seed 1
+lost 0.015). Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from kneegate.controllers.knee.curve import blend
 from kneegate.controllers.window import Summary
@@ -48,15 +69,20 @@ class Room:
     value: float = math.inf
     grounded: bool = False  # the last reading was measured, not extrapolated
 
-    def measure(self, w: Summary, full: bool, draining: bool, rise: float) -> None:
-        """Read one closed window (`full`: `queued`; `draining`: a rescale's old requests)."""
+    def measure(
+        self, w: Summary, full: bool, draining: bool, rise: float, idle: bool = False
+    ) -> None:
+        """Read one closed window (`full`: `queued`; `draining`: a rescale's old requests;
+        `idle`: app-limited, demand under the limit and the engine not full)."""
         run, kv = w.engine_running, w.engine_kv
         if run is None or run <= 0:
             return
         room = run if full else (run / kv if kv and kv > 0 else math.inf)
-        self.grounded = full or (kv is not None and kv >= GROUNDED_KV)
         if room > self.value and draining:
             return  # the engine still holds requests sized before a rescale: no rise yet
+        if room < self.value and idle and math.isfinite(self.value):
+            return  # a drain keeps the longest answers: each holds more KV than the mean
+        self.grounded = full or (kv is not None and kv >= GROUNDED_KV)
         # fast down (a change is news), slow up (one window may be a lucky mix of lengths)
         up = blend(self.value, room, rise) if math.isfinite(self.value) else room
         self.value = min(room, up or room)
@@ -72,13 +98,39 @@ class Share:
     """This gateway's part of the engine's in-flight; None until a window reads it."""
 
     estimate: float | None = None
+    # (time, in-flight) of the last ticks, to read this gateway at each scrape's own time
+    _ticks: deque[tuple[float, int]] = field(default_factory=deque)
+    _mine: float = 0.0  # this window's in-flight at its scrapes' times, summed
+    _engine: float = 0.0  # and the engine's (running + waiting) in them
+
+    def tick(self, now: float, inflight: int, keep: float) -> None:
+        self._ticks.append((now, inflight))
+        while self._ticks and self._ticks[0][0] < now - keep:
+            self._ticks.popleft()
+
+    def scrape(self, at: float, engine: float) -> None:
+        """The engine held `engine` at `at`: beside it, this gateway's in-flight then."""
+        mine = None
+        for t, n in self._ticks:  # the last tick at or before the scrape
+            if t > at:
+                break
+            mine = n
+        if mine is not None and engine > 0:
+            self._mine += mine
+            self._engine += engine
 
     def update(self, w: Summary, level: float, settled: bool, smoothing: float) -> float:
         """Learn from a `settled` window (no move, no drain); the share to apply now."""
-        now = min(1.0, w.inflight / level) if level > 0 else 1.0
+        if self._engine > 0:  # like for like: the scrapes lag the gateway by seconds
+            now = min(1.0, self._mine / self._engine)
+        else:
+            now = min(1.0, w.inflight / level) if level > 0 else 1.0
+        self._mine = self._engine = 0.0
         if self.estimate is None or settled:
             self.estimate = blend(self.estimate, now, smoothing)
-        return self.estimate or now
+        # alone, the share's noise is no news (a ramp between ticks reads 0.95-0.99): the
+        # KV edge and the token budget, which count this gateway's requests, act instead
+        return 1.0 if self.alone() else (self.estimate or now)
 
     def alone(self) -> bool:
         """This gateway holds (nearly) all the engine's in-flight requests."""

@@ -25,9 +25,9 @@ def test_bursts_do_not_collapse_the_limit() -> None:
     sc = load_scenario("bursts-lowrate").model_copy(update={"duration": 150.0})
     orc = oracle(sc, seed=7)
     mine = run(sc, "knee", seed=7)
-    # judged from arrival against the best (limit, wait cap) pair: 0.846 at seed 7 (the bar
-    # was 0.85 when both were judged from dispatch behind a count-bounded queue)
-    assert goodput(mine, sc, sc.warmup, sc.duration) >= 0.8 * orc.goodput
+    # judged from arrival against the best (limit, wait cap) pair: 0.937 at seed 7 (0.846
+    # while a drain's room, share and ramp windows could pull the limit down between bursts)
+    assert goodput(mine, sc, sc.warmup, sc.duration) >= 0.9 * orc.goodput
     assert min(lim for t, lim in zip(mine.times, mine.limits, strict=True) if t >= 60) >= 25
 
 
@@ -40,3 +40,13 @@ def test_back_within_ten_percent_of_the_new_oracle_after_prompts_grow_4x() -> No
     assert orc.segment_best[1] <= 12
     settle = settle_time(run(sc, "knee", seed=7), orc, sc)
     assert settle is not None and settle <= 15.0, settle
+
+
+def test_four_gateways_ramping_together_do_not_overfill_their_engine() -> None:
+    # each starts at 16, 64 together against an engine that runs ~46: read side by side with
+    # the scrapes of seconds before, each share read 0.4-0.5, none cut, and the engine queued
+    # 20 for 25 s (0.83 of the oracle over 180 s); read at the scrapes' times, 0.925 here
+    sc = load_scenario("four-gateways").model_copy(update={"duration": 120.0})
+    orc = oracle(sc, seed=7)
+    mine = run(sc, "knee", seed=7)
+    assert goodput(mine, sc, sc.warmup, sc.duration) >= 0.9 * orc.goodput

@@ -393,3 +393,59 @@ def test_an_idle_engine_publishes_no_knee_estimate() -> None:
         t = engine_level(ctl, t, 1, 20.0, kv=0.000625, total=total)
     assert ctl.knee_estimate is None
     assert ctl.state()["knee_estimate"] is None
+
+
+def drain_window(ctl: Knee, t: float, inflight: int, running: float, kv: float,
+                 total: list[float]) -> float:
+    """One window in which the engine runs `running` at `kv` KV use, 10 tokens/s each (a
+    drain's throughput follows its level), and this gateway holds `inflight`."""
+    for i in range(6):
+        total[0] += 10.0 * running if i else 0.0
+        ctl.on_engine_stats(scrape(t + i, running=running, kv=kv, tokens=total[0]))
+    return window(ctl, t, inflight, inflight * 100 / 4.0)
+
+
+def test_a_drain_while_app_limited_pulls_nothing_down() -> None:
+    # bursts: between them the engine drains, keeping the longest answers (more KV each:
+    # running / KV use falls from 50 to 30) and its scrapes lag the gateway's in-flight
+    ctl = make(initial=40, probe_every=100)
+    total, t = [0.0], 0.0
+    for _ in range(2):
+        t = drain_window(ctl, t, 40, 40, 0.8, total)
+    assert ctl.limit == 47  # 0.95 x the room of 40 / 0.8
+    for running, kv in ((30, 0.7), (20, 0.55), (12, 0.4)):
+        t = drain_window(ctl, t, running - 4, running, kv, total)
+    assert ctl.limit == 47
+    assert ctl.fit()["room"] == pytest.approx(50.0)
+    # at the limit, a full cache is news again: the room falls to what runs in it
+    t = drain_window(ctl, t, 47, 47, 1.0, total)
+    assert ctl.fit()["room"] < 47
+
+
+def test_a_burst_the_engine_has_not_yet_seen_is_no_level() -> None:
+    # the gateway filled to 28 at once, the engine's scrapes (a lag behind) averaged 17 at
+    # a prefill's throughput: read as a level it ended the curve there (a 'decline')
+    ctl = make(initial=32, probe_every=100, power_floor=0.0)
+    total, t = [0.0], 0.0
+    for running in (8, 12, 16, 24):
+        t = drain_window(ctl, t, running, running, 0.3, total)
+    before = ctl.knee()
+    for i in range(6):
+        total[0] += 60.0 if i else 0.0  # a sixth of the level's throughput: prefills
+        ctl.on_engine_stats(scrape(t + i, running=17, kv=0.3, tokens=total[0]))
+    ctl.on_tick(t, 20)
+    window(ctl, t, 28, 700.0)
+    assert ctl.knee() == before == (None, True)
+
+
+def test_a_drain_beside_another_gateway_keeps_the_share() -> None:
+    # another gateway holds as many as this one: the engine runs twice its in-flight
+    ctl = make(initial=20, probe_every=100)
+    total, t = [0.0], 0.0
+    for _ in range(3):
+        t = drain_window(ctl, t, 20, 40, 0.8, total)
+    assert ctl.limit == 23  # 0.95 x the room of 50 x 1/2
+    # this gateway drains first: 10 of 36, then 6 of 30 would read a share of 0.2-0.3
+    for mine, running in ((10, 36), (6, 30)):
+        t = drain_window(ctl, t, mine, running, 0.7, total)
+    assert ctl.limit == 23

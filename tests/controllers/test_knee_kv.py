@@ -112,12 +112,19 @@ def test_the_token_budget_weighs_each_request_by_its_own_prompt() -> None:
 
 
 def test_with_a_token_budget_the_kv_edge_keeps_no_reserve_for_large_requests() -> None:
-    # at 85% of the cache: (0.98 - 0.85) x 3000 - 100 (an answer's growth) = 290 tokens
-    # free, one new request's peak (200) fits; a reserve of half a peak (100) leaves none
+    # at 85% of the cache, after the last finish: (0.98 - 0.85) x 3000 - 100 (an answer's
+    # growth) = 290 tokens free. Blind, a new request counts its peak (200) and half a peak
+    # in reserve (100): none fits. With the budget it counts what it holds on average, as
+    # the budget does (100 + 50 held), and no reserve: one fits
     blind, budgeted = kv_ready(), kv_ready()
-    blind.on_engine_stats(scrape(2.0, running=10, kv=0.85))
-    budgeted.on_engine_stats(scrape(2.0, running=10, kv=0.85, capacity=3000))
+    blind.on_engine_stats(scrape(11.0, running=10, kv=0.85))
+    budgeted.on_engine_stats(scrape(11.0, running=10, kv=0.85, capacity=3000))
     assert (blind.limit, budgeted.limit) == (10, 11)
+    # a finish since the scrape frees its whole 200 tokens: blind, 390 free take one peak
+    # in its place (10); with the budget, 490 free take three of 150 (12)
+    for ctl in (blind, budgeted):
+        ctl.on_sample(make_sample(admitted_at=9.0, duration=3.0))
+    assert (blind.limit, budgeted.limit) == (10, 12)
 
 
 def test_a_cache_holding_more_than_the_prompts_add_up_to_widens_the_budget() -> None:

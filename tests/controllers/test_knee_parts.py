@@ -155,3 +155,40 @@ def test_a_climb_is_judged_only_from_throughput_that_was_measured(
     k._curve.points = {0: Point(4.0, top_tput, None, None, False, 0.0, True)}
     w = summary(inflight=10.0, max_inflight=10, engine_inflight=10.0, engine_throughput=tput)
     assert k._climbed(w, 10.0) is False
+
+
+def test_an_app_limited_window_does_not_lower_the_room() -> None:
+    room = Room()
+    room.measure(summary(engine_running=40.0, engine_kv=0.8), False, False, 0.5)
+    assert room.value == 50.0
+    # a drain keeps the longest answers: 20 running in 55% of the cache reads 36
+    room.measure(summary(engine_running=20.0, engine_kv=0.55), False, False, 0.5, idle=True)
+    assert room.value == 50.0
+    room.measure(summary(engine_running=30.0, engine_kv=0.5), False, False, 0.5, idle=True)
+    assert room.value == 55.0  # a rise still counts, smoothed
+    room.measure(summary(engine_running=20.0, engine_kv=0.55), False, False, 0.5)
+    assert room.value == pytest.approx(20 / 0.55)  # at the limit a fall is news
+
+
+def test_the_share_reads_this_gateway_at_each_scrapes_own_time() -> None:
+    # four gateways ramp together; the scrapes arrive 1.5 s late: at the window's close this
+    # gateway holds 12 while the engine's scrapes read 2 x 4 and 6 x 4 of seconds before
+    # (read side by side, 12 / 16 = 0.75, three times the share it has)
+    share = Share()
+    for t, n in ((0.0, 1), (0.5, 2), (1.0, 4), (1.5, 6), (2.0, 9), (2.5, 12)):
+        share.tick(t, n, keep=30.0)
+    share.scrape(0.5, 8.0)  # the engine held 8 at 0.5 s, when this gateway held 2
+    share.scrape(1.6, 24.0)  # 24 at 1.6 s: the tick before it, 6
+    assert share.update(summary(inflight=12.0), 16.0, True, 0.5) == pytest.approx(0.25)
+    # ticks older than `keep` are forgotten: a scrape before them reads nothing
+    share.tick(40.0, 3, keep=30.0)
+    share.scrape(1.0, 10.0)
+    assert share.update(summary(inflight=3.0), 3.0, False, 0.5) == pytest.approx(0.25)
+
+
+def test_a_gateway_alone_applies_no_share() -> None:
+    # alone (a share of 0.9 or more), a reading of 0.95 is the ticks' noise, not another
+    # gateway: the KV edge and the token budget act on its own requests instead
+    share = Share()
+    assert share.update(summary(inflight=19.0), 20.0, True, 0.5) == 1.0
+    assert share.alone()
