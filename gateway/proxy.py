@@ -328,9 +328,20 @@ class Proxy:
         headers = [h for h in resp.headers if h[0] not in RESPONSE_DROP]
         if not any(k == b"x-request-id" for k, _ in headers):
             headers.append((b"x-request-id", rid))
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        ex.started = True
+        start = {"type": "http.response.start", "status": resp.status, "headers": headers}
         feed = tap.feed
+        if writer is not None and resp.ended():
+            # the whole body came with the head (a short answer): head and body in one write
+            chunk = await resp.read()
+            if chunk:
+                ex.chunks += 1
+                feed(chunk)
+            ex.finished = True
+            await writer.send_whole(send, start, chunk)
+            ex.started = True
+            return
+        await send(start)
+        ex.started = True
         if writer is not None and writer.ready():
             # Push: the upstream socket's callback writes each chunk to the client itself
             # (gateway/wire.py); this task wakes only at the end, or to wait out the
