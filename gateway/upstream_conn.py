@@ -58,14 +58,20 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.fd = -1  # the plain socket's descriptor, to look for bytes before reuse
         self.closed = False
+        # Body bytes not yet handed over. The parser calls `on_body` once per piece (per
+        # chunk of a chunked body: per SSE event), so it is the list's own C `append`; one
+        # parser serves every response of the connection (llhttp reads keep-alive
+        # messages one after another), so both are made once.
+        self.buf: list[bytes] = []
+        self.on_body = self.buf.append
+        self.parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self.buf: list[bytes] = []
-        self.buffered = 0
+        self.buf.clear()
+        self.buffered = 0  # bytes read since the body was last handed over (head included)
         self.got_headers = False
         self.got_bytes = False
         self.done = False
@@ -96,6 +102,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             return
         self.got_bytes = True
+        self.buffered += len(data)
         if not self.got_headers:
             self.head_fed += len(data)
         try:
@@ -160,10 +167,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.framed = any(k in (b"content-length", b"transfer-encoding") for k, _ in self.headers)
         if self.head_only:
             self.done = True
-
-    def on_body(self, body: bytes) -> None:
-        self.buf.append(body)
-        self.buffered += len(body)
 
     def on_message_complete(self) -> None:
         if self.interim:
