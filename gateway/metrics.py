@@ -268,6 +268,7 @@ class GatewayMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # (upstream, outcome) -> what `count_finished` moves, resolved once
         self._finish: dict[tuple[str, Outcome], _Finish] = {}
+        self._user: dict[str, tuple[Any, Any]] = {}  # class -> (user_ttft, goodput_tokens)
 
     def child(self, metric: Counter | Histogram, *labels: str) -> Any:
         """`metric.labels(*labels)`, cached: the hot path skips prometheus' label checks
@@ -333,9 +334,13 @@ class GatewayMetrics:
 
     def count_user_ttft(self, cls: str, ttft: float, output_tokens: int, met: bool) -> None:
         """One answer's first token `ttft` s after arrival; its tokens are goodput if `met`."""
-        self.child(self.user_ttft, cls).observe(ttft)
+        c = self._user.get(cls)
+        if c is None:
+            c = self._user[cls] = (self.child(self.user_ttft, cls),
+                                   self.child(self.goodput_tokens, cls))
+        c[0].observe(ttft)
         if met and output_tokens:
-            self.child(self.goodput_tokens, cls).inc(output_tokens)
+            c[1].inc(output_tokens)
 
 
 _Finish = tuple[Any, Any, Any, Any, Any]  # finished, failure (or None), ttft, tpot, tokens

@@ -325,8 +325,14 @@ class Proxy:
         self, ex: Exchange, resp: Response, tap: Tap, send: Send, rid: bytes,
         writer: BodyWriter | None,
     ) -> None:
-        headers = [h for h in resp.headers if h[0] not in RESPONSE_DROP]
-        if not any(k == b"x-request-id" for k, _ in headers):
+        headers = []
+        has_rid = False
+        for h in resp.headers:  # one pass: what is relayed, and whether it names the request
+            k = h[0]
+            if k not in RESPONSE_DROP:
+                headers.append(h)
+                has_rid = has_rid or k == b"x-request-id"
+        if not has_rid:
             headers.append((b"x-request-id", rid))
         start = {"type": "http.response.start", "status": resp.status, "headers": headers}
         feed = tap.feed

@@ -148,7 +148,10 @@ class UpstreamConnection(asyncio.Protocol):
         if self.head_size > self.max_header_bytes:
             self._head_too_large()
             raise _Stop
-        self.headers.append((name.lower(), value))
+        name = name.lower()
+        if name == b"content-length" or name == b"transfer-encoding":
+            self.framed = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -161,10 +164,10 @@ class UpstreamConnection(asyncio.Protocol):
             # 100 Continue, 103 Early Hints: not the answer; the final response follows
             self.interim = True
             self.headers.clear()
+            self.framed = False
             return
         self.status = status
         self.got_headers = True
-        self.framed = any(k in (b"content-length", b"transfer-encoding") for k, _ in self.headers)
         if self.head_only:
             self.done = True
 

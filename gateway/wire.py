@@ -134,8 +134,7 @@ class BodyWriter:
         (uvicorn frames both and keeps its state), in one write to the socket."""
         c = self._cycle
         real = c.transport
-        held = _Held(real)
-        c.transport = cast("Transport", held)  # the cycle only writes and closes
+        held = c.transport = _Held(real)  # type: ignore[assignment]  # writes and closes
         try:
             await send(start)
             await send({"type": "http.response.body", "body": body, "more_body": False})
