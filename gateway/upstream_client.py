@@ -187,7 +187,10 @@ class UpstreamClient:
         try:
             with upstream_errors(url):
                 conn.transport.write(payload)
-                await conn.read_head()
+                while not conn.got_headers:  # the response head (no coroutine of its own)
+                    if conn.error is not None:
+                        raise conn.error
+                    await conn.next_wake()
         except BaseException:
             conn.close()
             raise

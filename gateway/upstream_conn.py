@@ -195,7 +195,7 @@ class UpstreamConnection(asyncio.Protocol):
     # A waiter is left in place once done; `_wake` skips done (or cancelled) futures, so
     # the reader needs no try/finally per wait.
 
-    def _next(self) -> asyncio.Future[None]:
+    def next_wake(self) -> asyncio.Future[None]:
         """A future the socket's next callback resolves (a future: no coroutine per wait)."""
         self.waiter = fut = self.loop.create_future()
         return fut
@@ -208,18 +208,12 @@ class UpstreamConnection(asyncio.Protocol):
             raise self.error
         return False
 
-    async def read_head(self) -> None:
-        while not self.got_headers:
-            if self.error is not None:
-                raise self.error
-            await self._next()
-
     async def read(self) -> bytes:
         """The body bytes buffered so far, waiting for some; b"" at the end."""
         while not self.buf:
             if self._ended():
                 return b""
-            await self._next()
+            await self.next_wake()
         return self._take()
 
     async def pipe(self, sink: Callable[[bytes], bool]) -> bytes:
@@ -239,7 +233,7 @@ class UpstreamConnection(asyncio.Protocol):
                     return self._take()
                 if self._ended():
                     return b""
-                await self._next()
+                await self.next_wake()
         finally:
             self.sink = None
 
