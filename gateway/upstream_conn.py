@@ -114,13 +114,19 @@ class UpstreamConnection(asyncio.Protocol):
         else:
             if not self.got_headers and self.head_fed > self.max_header_bytes:
                 self._head_too_large()
-        if self.buf:
+        buf = self.buf
+        if buf:
             # Push mode: write through from here, so the relay sleeps on (no task switch per
             # event). The body's last bytes go to the relay instead, which sends them with
-            # the end of the response in one write.
+            # the end of the response in one write. (`_push`, inline: this runs per event.)
             sink = self.sink
-            if sink is not None and not self.done and self.error is None and self._push(sink):
-                return
+            if sink is not None and not self.done and self.error is None:
+                data = buf[0] if len(buf) == 1 else b"".join(buf)
+                if sink(data):
+                    buf.clear()
+                    self.buffered = 0
+                    return
+                buf[:] = [data]
             if self.buffered > _HIGH_WATER and self.transport is not None:
                 self.transport.pause_reading()
         self._wake()
