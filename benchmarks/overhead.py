@@ -16,6 +16,12 @@ set far above the offered concurrency, so admission never queues: this measures 
 The workers' first requests are spread over one stream's duration (1.28 s for realistic), so
 completions arrive at an even rate; `--lockstep` starts them together, as before 2026-11-30:
 then 1024 requests arrive within milliseconds every 1.3 s and req/s counts whole waves.
+
+CPU columns: `cpu` is the proxy process's CPU over the measured window as a fraction of one
+core; `us/req` and `us/ev` divide that CPU by the requests and by the SSE events relayed in
+the window (issue 16's goals: <= 60 us per request in the short shape, <= 15 us per event).
+CPU time hardly depends on how busy the machine is, unlike the latency columns, so
+`--shapes short --concurrency 256 --seconds 4` is a fair quick check of a change.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class Cell:
     ttft_p50_ms: float
     ttft_p99_ms: float
     proxy_cpu: float  # fraction of one core, nan for direct
+    cpu_us_req: float  # the proxy's CPU per request relayed, microseconds (nan for direct)
+    cpu_us_event: float  # ... per SSE event relayed
 
 
 def _free_port() -> int:
@@ -102,20 +110,6 @@ def _process(cmd: list[str], ready: str | int) -> Iterator[subprocess.Popen[byte
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User+system CPU of `pid` and its children (uvicorn workers), from /proc."""
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    for p in pids:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 @contextlib.contextmanager
@@ -183,6 +177,8 @@ def _cell(target: str, shape: str, conc: int, port: int, seconds: float,
 
     The workers' first requests are spread over one stream's duration (see
     `rawhttp.run_load`), unless `lockstep`: then all start at once and stay in waves.
+    The client reads `pid`'s CPU when its window opens and closes, so the CPU per request
+    and per event divide the same span's CPU by that span's counts.
     """
     events, interval = SHAPES[shape]
     stagger = 0.0 if lockstep or shape in BURSTS else events * interval
@@ -190,12 +186,13 @@ def _cell(target: str, shape: str, conc: int, port: int, seconds: float,
            "--url", f"http://127.0.0.1:{port}/v1/completions",
            "--concurrency", str(conc), "--seconds", str(seconds),
            "--warmup", f"{1 + 1.5 * stagger:g}", "--stagger", f"{stagger:g}"]
-    cpu0, t0 = (_cpu_seconds(pid), time.monotonic()) if pid else (0.0, 0.0)
+    if pid:
+        cmd += ["--cpu-pid", str(pid)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True)
-    cpu = (_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0) if pid else float("nan")
     d = json.loads(out.stdout)
+    cpu = d["cpu_s"] / seconds if d.get("cpu_s") is not None else float("nan")
     return Cell(target, shape, conc, d["rps"], d["eps"], d["ttft_p50"] * 1000,
-                d["ttft_p99"] * 1000, cpu)
+                d["ttft_p99"] * 1000, cpu, d["cpu_us_per_request"], d["cpu_us_per_event"])
 
 
 def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
@@ -239,7 +236,7 @@ def print_table(cells: list[Cell]) -> list[dict[str, object]]:
     keys = sorted({(c.shape, c.concurrency) for c in cells}, key=lambda k: (k[0], k[1]))
     hdr = (f"{'shape':<10}{'conc':>6} {'target':<12}{'req/s':>9}{'events/s':>10}"
            f"{'ttft p50':>10}{'ttft p99':>10}{'+p50 ms':>9}{'+p99 ms':>9}{'cpu':>6}"
-           f"{'x direct':>9}{'x nginx':>9}")
+           f"{'us/req':>8}{'us/ev':>7}{'x direct':>9}{'x nginx':>9}")
     print(hdr)
     for shape, conc in keys:
         group = [c for c in cells if (c.shape, c.concurrency) == (shape, conc)]
@@ -250,7 +247,8 @@ def print_table(cells: list[Cell]) -> list[dict[str, object]]:
         for target, cs in by.items():
             row: dict[str, object] = {}
             nums = {k: _median(cs, k)
-                    for k in ("rps", "eps", "ttft_p50_ms", "ttft_p99_ms", "proxy_cpu")}
+                    for k in ("rps", "eps", "ttft_p50_ms", "ttft_p99_ms", "proxy_cpu",
+                              "cpu_us_req", "cpu_us_event")}
             nums.update(ratio_direct=_ratio(nums["rps"], d_rps),
                         ratio_nginx=_ratio(nums["rps"], n_rps),
                         added_p50_ms=nums["ttft_p50_ms"] - d50,
@@ -260,7 +258,8 @@ def print_table(cells: list[Cell]) -> list[dict[str, object]]:
             print(f"{shape:<10}{conc:>6} {target:<12}{nums['rps']:>9.1f}{nums['eps']:>10.0f}"
                   f"{nums['ttft_p50_ms']:>10.1f}{nums['ttft_p99_ms']:>10.1f}"
                   f"{nums['added_p50_ms']:>9.1f}{nums['added_p99_ms']:>9.1f}"
-                  f"{nums['proxy_cpu']:>6.2f}{nums['ratio_direct']:>9.2f}"
+                  f"{nums['proxy_cpu']:>6.2f}{nums['cpu_us_req']:>8.1f}"
+                  f"{nums['cpu_us_event']:>7.2f}{nums['ratio_direct']:>9.2f}"
                   f"{nums['ratio_nginx']:>9.2f}")
     return rows
 

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
-__all__ = ["LoadResult", "SseUpstream", "run_load", "serve"]
+__all__ = ["LoadResult", "SseUpstream", "cpu_seconds", "run_load", "serve"]
 
 _HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -110,6 +113,20 @@ async def serve(host: str, port: int, events: int, interval: float) -> asyncio.S
     )
 
 
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU of `pid` and its children (uvicorn workers), from /proc."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    for p in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 @dataclass
 class LoadResult:
     seconds: float
@@ -118,6 +135,8 @@ class LoadResult:
     events: int = 0
     ttfts: list[float] = field(default_factory=list)
     first_sent: list[float] = field(default_factory=list)  # each worker's first request
+    # CPU seconds the measured process (`cpu_pid`) spent inside the window; None: not asked
+    cpu: float | None = None
 
     @property
     def rps(self) -> float:
@@ -126,6 +145,12 @@ class LoadResult:
     @property
     def eps(self) -> float:
         return self.events / self.seconds
+
+    def cpu_per(self, count: int) -> float:
+        """Microseconds of the measured process's CPU per one of `count` (in the window)."""
+        if self.cpu is None or count <= 0:
+            return float("nan")
+        return self.cpu / count * 1e6
 
     def ttft_pct(self, q: float) -> float:
         if not self.ttfts:
@@ -222,7 +247,8 @@ class _Client(asyncio.Protocol):
 
 
 async def run_load(url: str, concurrency: int, seconds: float, warmup: float = 1.0,
-                   max_tokens: int = 64, stagger: float = 0.0) -> LoadResult:
+                   max_tokens: int = 64, stagger: float = 0.0,
+                   cpu_pid: int | None = None) -> LoadResult:
     """Closed loop: `concurrency` connections, each request after the last, for `seconds`.
 
     `stagger`: worker i sends its first request i/concurrency of `stagger` seconds after
@@ -232,6 +258,10 @@ async def run_load(url: str, concurrency: int, seconds: float, warmup: float = 1
     1.3 s streams: exactly 5 waves, 853.3 req/s at 1024, wherever the true rate is); spread
     over a cycle, they complete at an even rate and the window measures it. Keep `warmup`
     above one request's duration so the window opens on that even rate.
+
+    `cpu_pid`: the process under test (the proxy); its CPU seconds are read from /proc when
+    the window opens and when it closes, so `cpu` covers the same span as the counts (not
+    the warm-up, the connects or the tail).
     """
     u = urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
@@ -245,6 +275,8 @@ async def run_load(url: str, concurrency: int, seconds: float, warmup: float = 1
     start = time.perf_counter()
     window = (start + warmup, start + warmup + seconds)
     result = LoadResult(seconds=seconds)
+    if cpu_pid is not None:
+        _sample_cpu(loop, cpu_pid, window, result)
     dones: list[asyncio.Future[None]] = []
     for i in range(concurrency):
         done: asyncio.Future[None] = loop.create_future()
@@ -257,6 +289,21 @@ async def run_load(url: str, concurrency: int, seconds: float, warmup: float = 1
     # every worker stops by itself at the window's end; the extra margin bounds a hung one
     await asyncio.wait(dones, timeout=warmup + seconds + 30)
     return result
+
+
+def _sample_cpu(loop: asyncio.AbstractEventLoop, pid: int, window: tuple[float, float],
+                result: LoadResult) -> None:
+    opened: list[float] = []
+
+    def close() -> None:
+        if opened:
+            result.cpu = cpu_seconds(pid) - opened[0]
+
+    def open_() -> None:
+        opened.append(cpu_seconds(pid))
+        loop.call_later(max(0.0, window[1] - time.perf_counter()), close)
+
+    loop.call_later(max(0.0, window[0] - time.perf_counter()), open_)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -275,15 +322,19 @@ def main(argv: list[str] | None = None) -> None:
     ld.add_argument("--warmup", type=float, default=1.0)
     ld.add_argument("--stagger", type=float, default=0.0,
                     help="spread the workers' first requests over this many seconds")
+    ld.add_argument("--cpu-pid", type=int,
+                    help="report this process's CPU per request and per event in the window")
     args = p.parse_args(argv)
     _use_uvloop()
     if args.cmd == "serve":
         asyncio.run(_serve_for(args))
     else:
         r = asyncio.run(run_load(args.url, args.concurrency, args.seconds, args.warmup,
-                                 stagger=args.stagger))
+                                 stagger=args.stagger, cpu_pid=args.cpu_pid))
         out = {"rps": r.rps, "eps": r.eps, "ok": r.ok, "errors": r.errors,
-               "ttft_p50": r.ttft_pct(50), "ttft_p99": r.ttft_pct(99)}
+               "ttft_p50": r.ttft_pct(50), "ttft_p99": r.ttft_pct(99),
+               "cpu_s": r.cpu, "cpu_us_per_request": r.cpu_per(r.ok + r.errors),
+               "cpu_us_per_event": r.cpu_per(r.events)}
         json.dump(out, sys.stdout)
         sys.stdout.write("\n")
 

@@ -286,7 +286,9 @@ class KneegateApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             raw: bytes = scope.get("raw_path") or scope["path"].encode()
-            if b"%" in raw or b"/." in raw or b"\\" in raw:  # rare: normalise first
+            # rare: normalise first. `find`, not `in`: bytes' `in` tries the operand as an
+            # int first and builds (then drops) a TypeError, ~1/3 of this test's cost
+            if raw.find(b"%") >= 0 or raw.find(b"/.") >= 0 or raw.find(b"\\") >= 0:
                 await self._unclean(scope, receive, send, raw)
                 return
             if raw.startswith(b"/v1/") or raw in PROXIED_EXACT:

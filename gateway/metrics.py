@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -51,6 +52,11 @@ from kneegate.controllers.base import Outcome
 from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.telemetry import Telemetry
 from kneegate.gateway.types import Clock
+
+try:  # the single-process value class the fast children write to (prometheus_client 0.2x)
+    from prometheus_client.values import MutexValue
+except ImportError:  # moved or renamed: every child stays prometheus' own (`_plain`)
+    MutexValue = None  # type: ignore[assignment,misc]
 
 __all__ = ["CLIENT_REJECTIONS", "FINISHED", "GatewayMetrics", "LiveUpstream"]
 
@@ -279,13 +285,17 @@ class GatewayMetrics:
             self.reloads.labels(result)
         self._live: _LiveCollector | None = None
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # (upstream, outcome) -> what `count_finished` moves, resolved once
+        self._finish: dict[tuple[str, Outcome], _Finish] = {}
+        self._user: dict[str, tuple[Any, Any]] = {}  # class -> (user_ttft, goodput_tokens)
 
     def child(self, metric: Counter | Histogram, *labels: str) -> Any:
-        """`metric.labels(*labels)`, cached: the hot path skips prometheus' label checks."""
+        """`metric.labels(*labels)`, cached: the hot path skips prometheus' label checks
+        (and, where it can, its per-call checks and bucket loop: `_fast`)."""
         key = (id(metric), labels)
         c = self._children.get(key)
         if c is None:
-            c = self._children[key] = metric.labels(*labels)
+            c = self._children[key] = _fast(metric.labels(*labels))
         return c
 
     def bind_live(
@@ -319,20 +329,98 @@ class GatewayMetrics:
         self, upstream: str, outcome: Outcome, ttft: float | None, tpot: float | None,
         output_tokens: int,
     ) -> None:
-        child = self.child
-        child(self.finished, upstream, FINISHED[outcome]).inc()
-        kind = _FAILURE_KIND.get(outcome)
-        if kind is not None:
-            child(self.failures, upstream, kind).inc()
+        f = self._finish.get((upstream, outcome))
+        if f is None:
+            f = self._finish[upstream, outcome] = self._finished_children(upstream, outcome)
+        finished, failure, ttft_child, tpot_child, tokens = f
+        finished.inc()
+        if failure is not None:
+            failure.inc()
         if ttft is not None:
-            child(self.ttft, upstream).observe(ttft)
+            ttft_child.observe(ttft)
         if tpot is not None:
-            child(self.tpot, upstream).observe(tpot)
+            tpot_child.observe(tpot)
         if output_tokens:
-            child(self.output_tokens, upstream).inc(output_tokens)
+            tokens.inc(output_tokens)
+
+    def _finished_children(self, upstream: str, outcome: Outcome) -> _Finish:
+        kind = _FAILURE_KIND.get(outcome)
+        child = self.child
+        return (child(self.finished, upstream, FINISHED[outcome]),
+                None if kind is None else child(self.failures, upstream, kind),
+                child(self.ttft, upstream), child(self.tpot, upstream),
+                child(self.output_tokens, upstream))
 
     def count_user_ttft(self, cls: str, ttft: float, output_tokens: int, met: bool) -> None:
         """One answer's first token `ttft` s after arrival; its tokens are goodput if `met`."""
-        self.child(self.user_ttft, cls).observe(ttft)
+        c = self._user.get(cls)
+        if c is None:
+            c = self._user[cls] = (self.child(self.user_ttft, cls),
+                                   self.child(self.goodput_tokens, cls))
+        c[0].observe(ttft)
         if met and output_tokens:
-            self.child(self.goodput_tokens, cls).inc(output_tokens)
+            c[1].inc(output_tokens)
+
+
+_Finish = tuple[Any, Any, Any, Any, Any]  # finished, failure (or None), ttft, tpot, tokens
+
+
+class _FastCounter:
+    """A counter child's `inc`, adding to prometheus' own value without its lock (see
+    `_fast`) and without the checks a child never fails."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self._value._value += amount
+
+
+class _FastHistogram:
+    """A histogram child's `observe`: a binary search instead of prometheus' loop over the
+    buckets, adding to its values without their locks (see `_fast`)."""
+
+    __slots__ = ("_bounds", "_buckets", "_sum")
+
+    def __init__(self, bounds: list[float], buckets: list[Any], total: Any) -> None:
+        self._bounds, self._buckets, self._sum = bounds, buckets, total
+
+    def observe(self, amount: float) -> None:
+        self._sum._value += amount
+        if amount <= math.inf:  # NaN counts in the sum only, as in prometheus
+            self._buckets[bisect_left(self._bounds, amount)]._value += 1
+
+
+def _plain(value: object) -> bool:
+    # prometheus' single-process value: a float under a lock (the multiprocess one is not)
+    return (MutexValue is not None and type(value) is MutexValue
+            and isinstance(getattr(value, "_value", None), float))
+
+
+def _fast(child: Any) -> Any:
+    """`child` with a cheaper `inc` / `observe` writing the same values, or `child` itself
+    when its inside is not what this was written against (prometheus_client 0.2x;
+    tests/gateway/test_metrics.py pins both to the same samples).
+
+    Why no lock: every `kneegate_*` counter and histogram moves on the event loop's thread
+    only (the hot path, the tick, the scrapes), and the lock's `with` costs more than the
+    addition: about half of what a counter's `inc` costs, per request ~13 of them. The
+    exposition still reads each value under its lock; with one writer it reads a whole
+    float either way.
+    """
+    if isinstance(child, Histogram):
+        bounds = getattr(child, "_upper_bounds", None)
+        buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+        if (isinstance(bounds, list) and isinstance(buckets, list)
+                and len(buckets) == len(bounds) and bounds and bounds[-1] == math.inf
+                and _plain(total) and all(_plain(v) for v in buckets)):
+            return _FastHistogram(bounds, buckets, total)
+        return child
+    value = getattr(child, "_value", None)
+    if isinstance(child, Counter) and _plain(value):
+        return _FastCounter(value)
+    return child

@@ -329,12 +329,29 @@ class Proxy:
         self, ex: Exchange, resp: Response, tap: Tap, send: Send, rid: bytes,
         writer: BodyWriter | None,
     ) -> None:
-        headers = [h for h in resp.headers if h[0] not in RESPONSE_DROP]
-        if not any(k == b"x-request-id" for k, _ in headers):
+        headers = []
+        has_rid = False
+        for h in resp.headers:  # one pass: what is relayed, and whether it names the request
+            k = h[0]
+            if k not in RESPONSE_DROP:
+                headers.append(h)
+                has_rid = has_rid or k == b"x-request-id"
+        if not has_rid:
             headers.append((b"x-request-id", rid))
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        ex.started = True
+        start = {"type": "http.response.start", "status": resp.status, "headers": headers}
         feed = tap.feed
+        if writer is not None and resp.ended():
+            # the whole body came with the head (a short answer): head and body in one write
+            chunk = await resp.read()
+            if chunk:
+                ex.chunks += 1
+                feed(chunk)
+            ex.finished = True
+            await writer.send_whole(send, start, chunk)
+            ex.started = True
+            return
+        await send(start)
+        ex.started = True
         if writer is not None and writer.ready():
             # Push: the upstream socket's callback writes each chunk to the client itself
             # (gateway/wire.py); this task wakes only at the end, or to wait out the

@@ -66,7 +66,7 @@ class Tap:
             return prompt_tokens, done
         if not self.streaming:
             return prompt_tokens, 0
-        events = self.events - (1 if b"[DONE]" in tail else 0)
+        events = self.events - (1 if tail.find(b"[DONE]") >= 0 else 0)  # `in`: see app.py
         if prompt is not None:  # a trailing usage-only event carries no token
             events -= 1
         return prompt_tokens, max(0, events)

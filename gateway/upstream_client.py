@@ -163,7 +163,7 @@ class UpstreamClient:
         key, netloc = origin
         url = base + target.decode("latin-1")
         head = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (method.encode(), target, netloc)]
-        head.extend(b"%s: %s\r\n" % kv for kv in headers)
+        head += [b"%s: %s\r\n" % kv for kv in headers]
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             head.append(b"content-length: %d\r\n" % len(body))
         head.append(b"\r\n")
@@ -187,7 +187,10 @@ class UpstreamClient:
         try:
             with upstream_errors(url):
                 conn.transport.write(payload)
-                await conn.read_head()
+                while not conn.got_headers:  # the response head (no coroutine of its own)
+                    if conn.error is not None:
+                        raise conn.error
+                    await conn.next_wake()
         except BaseException:
             conn.close()
             raise

@@ -58,14 +58,20 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.fd = -1  # the plain socket's descriptor, to look for bytes before reuse
         self.closed = False
+        # Body bytes not yet handed over. The parser calls `on_body` once per piece (per
+        # chunk of a chunked body: per SSE event), so it is the list's own C `append`; one
+        # parser serves every response of the connection (llhttp reads keep-alive
+        # messages one after another), so both are made once.
+        self.buf: list[bytes] = []
+        self.on_body = self.buf.append
+        self.parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self.buf: list[bytes] = []
-        self.buffered = 0
+        self.buf.clear()
+        self.buffered = 0  # bytes read since the body was last handed over (head included)
         self.got_headers = False
         self.got_bytes = False
         self.done = False
@@ -96,6 +102,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             return
         self.got_bytes = True
+        self.buffered += len(data)
         if not self.got_headers:
             self.head_fed += len(data)
         try:
@@ -107,13 +114,19 @@ class UpstreamConnection(asyncio.Protocol):
         else:
             if not self.got_headers and self.head_fed > self.max_header_bytes:
                 self._head_too_large()
-        if self.buf:
+        buf = self.buf
+        if buf:
             # Push mode: write through from here, so the relay sleeps on (no task switch per
             # event). The body's last bytes go to the relay instead, which sends them with
-            # the end of the response in one write.
+            # the end of the response in one write. (`_push`, inline: this runs per event.)
             sink = self.sink
-            if sink is not None and not self.done and self.error is None and self._push(sink):
-                return
+            if sink is not None and not self.done and self.error is None:
+                data = buf[0] if len(buf) == 1 else b"".join(buf)
+                if sink(data):
+                    buf.clear()
+                    self.buffered = 0
+                    return
+                buf[:] = [data]
             if self.buffered > _HIGH_WATER and self.transport is not None:
                 self.transport.pause_reading()
         self._wake()
@@ -141,7 +154,10 @@ class UpstreamConnection(asyncio.Protocol):
         if self.head_size > self.max_header_bytes:
             self._head_too_large()
             raise _Stop
-        self.headers.append((name.lower(), value))
+        name = name.lower()
+        if name == b"content-length" or name == b"transfer-encoding":
+            self.framed = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -154,16 +170,12 @@ class UpstreamConnection(asyncio.Protocol):
             # 100 Continue, 103 Early Hints: not the answer; the final response follows
             self.interim = True
             self.headers.clear()
+            self.framed = False
             return
         self.status = status
         self.got_headers = True
-        self.framed = any(k in (b"content-length", b"transfer-encoding") for k, _ in self.headers)
         if self.head_only:
             self.done = True
-
-    def on_body(self, body: bytes) -> None:
-        self.buf.append(body)
-        self.buffered += len(body)
 
     def on_message_complete(self) -> None:
         if self.interim:
@@ -189,7 +201,7 @@ class UpstreamConnection(asyncio.Protocol):
     # A waiter is left in place once done; `_wake` skips done (or cancelled) futures, so
     # the reader needs no try/finally per wait.
 
-    def _next(self) -> asyncio.Future[None]:
+    def next_wake(self) -> asyncio.Future[None]:
         """A future the socket's next callback resolves (a future: no coroutine per wait)."""
         self.waiter = fut = self.loop.create_future()
         return fut
@@ -202,18 +214,12 @@ class UpstreamConnection(asyncio.Protocol):
             raise self.error
         return False
 
-    async def read_head(self) -> None:
-        while not self.got_headers:
-            if self.error is not None:
-                raise self.error
-            await self._next()
-
     async def read(self) -> bytes:
         """The body bytes buffered so far, waiting for some; b"" at the end."""
         while not self.buf:
             if self._ended():
                 return b""
-            await self._next()
+            await self.next_wake()
         return self._take()
 
     async def pipe(self, sink: Callable[[bytes], bool]) -> bytes:
@@ -233,7 +239,7 @@ class UpstreamConnection(asyncio.Protocol):
                     return self._take()
                 if self._ended():
                     return b""
-                await self._next()
+                await self.next_wake()
         finally:
             self.sink = None
 

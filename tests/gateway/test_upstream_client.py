@@ -82,6 +82,42 @@ async def test_keep_alive_connection_is_reused() -> None:
         await client.close()
 
 
+async def test_one_parser_reads_chunked_answers_one_after_another() -> None:
+    # the connection's parser is made once and reads every response of the connection
+    def chunked(n: int) -> bytes:
+        events = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in (b"a%d" % n, b"bc"))
+        return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + events + b"0\r\n\r\n"
+
+    server = RawServer(chunked)
+    client = UpstreamClient(connect_timeout=2)
+    async with raw_server(server) as base:
+        for i in (1, 2, 3):
+            resp = await client.open("GET", base, b"/", [], b"")
+            with anyio.fail_after(2):
+                assert await resp.read_all() == b"a%dbc" % i
+            resp.release()
+        assert server.connections == 1
+        await client.close()
+
+
+async def test_a_body_nobody_reads_stops_the_socket_at_the_high_water_mark() -> None:
+    body = b"x" * (3 << 20)
+    server = RawServer(fixed(body))
+    client = UpstreamClient(connect_timeout=2)
+    async with raw_server(server) as base:
+        resp = await client.open("GET", base, b"/", [], b"")
+        transport = resp._conn.transport
+        assert transport is not None
+        with anyio.fail_after(5):
+            while transport.is_reading():  # the engine's bytes keep coming until the mark
+                await asyncio.sleep(0.01)
+        assert (1 << 20) < resp._conn.buffered < len(body)
+        with anyio.fail_after(5):
+            assert await resp.read_all() == body  # reading resumes what was stopped
+        resp.release()
+        await client.close()
+
+
 async def test_body_delimited_by_close_is_read_to_the_end() -> None:
     server = RawServer(lambda n: b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it",
                        close_after=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ import httpx
 import pytest
 from helpers.gateway import FakeEngine, answer_lifespan, gw_config, serve
 from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from kneegate.gateway.app import build_app
 from kneegate.gateway.upstream_client import UpstreamClient
@@ -109,6 +111,65 @@ def test_the_probe_names_what_a_request_cycle_lacks_or_types_otherwise() -> None
     cycle.disconnected = 0
     cycle.chunked_encoding = True
     assert probe(cycle) == ["flow.write_paused: missing", "disconnected: int"]
+
+
+class RecordingTransport:
+    """What a request cycle writes to its connection, one entry per write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed, "written after close"
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def _cycle(transport: RecordingTransport, keep_alive: bool) -> RequestResponseCycle:
+    scope = {"type": "http", "method": "POST", "http_version": "1.1", "path": "/v1/x",
+             "raw_path": b"/v1/x", "query_string": b"", "headers": [], "client": None,
+             "server": None, "scheme": "http", "root_path": ""}
+    return RequestResponseCycle(
+        scope=scope, transport=transport, flow=SimpleNamespace(write_paused=False),
+        logger=logging.getLogger("t"), access_logger=logging.getLogger("t"), access_log=False,
+        default_headers=[], message_event=asyncio.Event(), expect_100_continue=False,
+        keep_alive=keep_alive, on_response=lambda: None)
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+async def test_send_whole_writes_head_and_body_once_with_the_bytes_of_two_sends(
+        keep_alive: bool) -> None:
+    start = {"type": "http.response.start", "status": 200,
+             "headers": [(b"content-type", b"application/json")]}
+    body = b'{"ok": true}'
+    apart = RecordingTransport()
+    cycle = _cycle(apart, keep_alive)
+    await cycle.send(start)
+    await cycle.send({"type": "http.response.body", "body": body, "more_body": False})
+    assert len(apart.writes) == 2  # what plain ASGI costs: two writes
+
+    together = RecordingTransport()
+    cycle = _cycle(together, keep_alive)
+    await BodyWriter(cycle).send_whole(cycle.send, start, body)
+    assert together.writes == [b"".join(apart.writes)]
+    assert cycle.transport is together and cycle.response_complete
+    assert together.closed is (not keep_alive)  # closed after the bytes, never before
+
+
+async def test_send_whole_writes_nothing_to_a_client_gone() -> None:
+    transport = RecordingTransport()
+    cycle = _cycle(transport, True)
+    cycle.disconnected = True
+    transport.closed = True
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    await BodyWriter(cycle).send_whole(cycle.send, start, b"x")
+    assert transport.writes == []
 
 
 class BigStream:
