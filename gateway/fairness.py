@@ -21,7 +21,7 @@ Why the credit: a tenant asking for about its share, in random arrivals, empties
 often, and the plain rule gives each such moment to whoever is always backlogged. In the
 simulator (benchmarks/scenarios/tenants-heavy-light.yaml, one tenant at 10x the rate of five
 others, 3x capacity) the lowest light tenant got 0.87 of its fair share with the plain rule
-and 0.90-0.93 with a credit of 3 at seeds 7, 1 and 2 (1 and 2 read lower: docs/benchmarks.md).
+and 0.92-0.93 with a credit of 3 at seeds 7, 1 and 2 (each step: docs/benchmarks.md).
 Only a tenant with requests in flight gets it, so a flood of new API keys gets none.
 
 Why counters and not round robin by requests: a tenant whose requests are ten times longer
