@@ -42,9 +42,9 @@ unit of weight, less the class's `floor` then (never below the tenant's previous
 tenant's own requests always count ahead of its next). Less the floor, because every
 counter moves on while a request waits (its tenant's answers stream): taken whole, the tags
 of a tenant with 30 answers streaming went stale within a queue's wait, and a light tenant
-arriving behind them was counted behind all of them and refused. (Measured over sockets,
-two keys at 8:1, 3x: the light key's demand served in time rose 0.81 -> 0.85 with a 5 s
-warm-up; docs/benchmarks.md.) Rejection falls on the tenant furthest over its share: when the
+arriving behind them was counted behind all of them and refused (in the simulator the
+lowest light tenant read 0.907 / 0.925 / 0.902 at seeds 7 / 1 / 2 with whole tags, 0.924 /
+0.929 / 0.920 less the floor; docs/benchmarks.md). Rejection falls on the tenant furthest over its share: when the
 queue must shed one request (its wait bound or its count bound), it is the queued request
 with the largest tag (the newest of the tenant whose work would be served last), not the
 newest arrival; the arrival itself when its own tag would be the largest, as in a plain
