@@ -16,6 +16,8 @@ from helpers.gateway import (
     answer_lifespan,
     assert_conserved,
     gw_config,
+    read_request_body,
+    reply,
     scrape,
     serve,
     total,
@@ -43,27 +45,16 @@ class Turnstile:
         if scope["type"] == "lifespan":
             await answer_lifespan(receive, send)
             return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_request_body(receive)
         if scope["path"] != "/v1/completions":
-            await _json(send, 404, {})
+            await reply(send, 404, b"{}")
             return
         self.seen.append(json.loads(body)["user"])
         self.arrived.set()
         await self._turns.acquire()
-        await _json(send, 200, {"choices": [{"text": "ok"}],
-                                "usage": {"prompt_tokens": 4, "completion_tokens": 1}})
-
-
-async def _json(send: Any, status: int, obj: object) -> None:
-    body = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body})
+        await reply(send, 200, json.dumps({
+            "choices": [{"text": "ok"}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 1}}).encode())
 
 
 @dataclass

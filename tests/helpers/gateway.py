@@ -71,6 +71,16 @@ async def answer_lifespan(receive: Any, send: Any) -> None:
     await send({"type": "lifespan.shutdown.complete"})
 
 
+async def read_request_body(receive: Any) -> bytes:
+    """An ASGI request's whole body."""
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
+
+
 class FakeEngine:
     """A tiny OpenAI-ish engine: SSE completions with a delay per event, counts what it saw.
 
@@ -93,29 +103,24 @@ class FakeEngine:
             return
         path = scope["path"]
         if path == "/health":
-            await _reply(send, 200, b"{}")
+            await reply(send, 200, b"{}")
             return
         if path == "/metrics":
             text = (f"vllm:num_requests_running {self.running}\n"
                     f"vllm:num_requests_waiting 0\n").encode()
-            await _reply(send, 200, text, b"text/plain")
+            await reply(send, 200, text, b"text/plain")
             return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_request_body(receive)
         self.requests += 1
         self.last_headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.last_body, self.last_path = body, scope["raw_path"].decode()
         if scope["query_string"]:
             self.last_path += "?" + scope["query_string"].decode()
         if path == "/v1/fail":
-            await _reply(send, 500, b'{"error": "engine exploded"}')
+            await reply(send, 500, b'{"error": "engine exploded"}')
             return
         if path == "/v1/overloaded":
-            await _reply(send, 503, b'{"error": "busy"}')
+            await reply(send, 503, b'{"error": "busy"}')
             return
         req = json.loads(body or b"{}")
         await self._generate(req, receive, send)
@@ -139,7 +144,7 @@ class FakeEngine:
             else:
                 await self._sleep(self.first_delay + n * self.interval, gone)
                 usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
-                await _reply(send, 200, json.dumps({
+                await reply(send, 200, json.dumps({
                     "id": "cmpl-1", "object": "text_completion",
                     "choices": [{"index": 0, "text": "tok " * n, "finish_reason": "length"}],
                     "usage": usage}).encode())
@@ -177,7 +182,7 @@ class _Gone(Exception):
     pass
 
 
-async def _reply(send: Any, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+async def reply(send: Any, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", ctype)]})
     await send({"type": "http.response.body", "body": body})
