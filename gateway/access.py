@@ -1,17 +1,19 @@
 """The access log: one line per proxied request, written where its outcome is settled.
 
-    request_id=9f0c… upstream=vllm-0 class=interactive outcome=ok status=200 queue_wait=0.004
-    ttft=0.183 duration=2.412 prompt_tokens=412 output_tokens=128
+    request_id=9f0c… upstream=vllm-0 class=interactive tenant=acme outcome=ok status=200
+    queue_wait=0.004 ttft=0.183 duration=2.412 prompt_tokens=412 output_tokens=128
 
 Logger `kneegate.access`, level INFO. What it holds: the request id (the client's
 X-Request-Id or the one the gateway made), the upstream's configured name, the class, the
-outcome (`ok`, `upstream_error`, `timeout`, `client_cancelled`, `upstream_overloaded`,
-`client_stalled`, or the reason a request was refused: `queue_full`, `over_objective`,
-`queue_timeout`, `no_upstream`, `shutting_down`, `body_too_large`, `invalid_header`), the
-status answered (499 when the client left before any was), seconds in the queue, to the
-first token (from arrival, as the user waits) and in all, and the tokens counted. Never a
-header, a key, a prompt or a body; the request id, which the client chose, is cut to 128
-characters and quoted when it holds anything but plain characters.
+tenant as metrics name it (gateway/tenants.py: a configured name, `key-` and a hash of an
+API key, or `anonymous`), the outcome (`ok`, `upstream_error`, `timeout`,
+`client_cancelled`, `upstream_overloaded`, `client_stalled`, or the reason a request was
+refused: `queue_full`, `over_objective`, `queue_timeout`, `no_upstream`, `shutting_down`,
+`tenant_quota`, `body_too_large`, `invalid_header`), the status answered (499 when the
+client left before any was), seconds in the queue, to the first token (from arrival, as the
+user waits) and in all, and the tokens counted. Never a header, a key, a prompt or a body;
+the request id, which the client chose, is cut to 128 characters and quoted when it holds
+anything but plain characters.
 
 Cost: nothing is formatted unless the logger is enabled for INFO and `server.access_log`
 is on (`--no-access-log` turns it off). With `--log-format json` the fields are keys of the
@@ -64,19 +66,19 @@ class AccessLog:
                 ttft = tap.first_at - t.arrived_at
         self._write({
             "request_id": _rid(rid), "upstream": permit.upstream.name, "class": t.cls,
-            "outcome": outcome.value, "status": status,
+            "tenant": t.tenant.label, "outcome": outcome.value, "status": status,
             "queue_wait": round(at - t.arrived_at, 4),
             "ttft": None if ttft is None else round(ttft, 4),
             "duration": round(self.clock() - t.arrived_at, 4),
             "prompt_tokens": prompt, "output_tokens": out,
         })
 
-    def refused(self, rid: bytes, cls: str, exc: HTTPError) -> None:
+    def refused(self, rid: bytes, cls: str, exc: HTTPError, tenant: str = "anonymous") -> None:
         """A request answered with an error before it reached an upstream."""
         if not self.on():
             return
         fields: dict[str, Any] = {
-            "request_id": _rid(rid), "upstream": None, "class": cls,
+            "request_id": _rid(rid), "upstream": None, "class": cls, "tenant": tenant,
             "outcome": exc.reason if isinstance(exc, Rejection) else exc.code,
             "status": exc.status,
         }

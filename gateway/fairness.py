@@ -39,16 +39,16 @@ Where a new request would go (`position`, for the wait the admission queue predi
 which request to shed (`victim`) read each queued request's tag: where its tenant's share
 put it when it was queued, the tenant's counter plus its work queued ahead and its own, per
 unit of weight, less the class's `floor` then (never below the tenant's previous tag, so a
-tenant's own requests always count ahead of its next). Less the floor, because every
-counter moves on while a request waits (its tenant's answers stream): taken whole, the tags
-of a tenant with 30 answers streaming went stale within a queue's wait, and a light tenant
-arriving behind them was counted behind all of them and refused (in the simulator the
-lowest light tenant read 0.907 / 0.925 / 0.902 at seeds 7 / 1 / 2 with whole tags, 0.924 /
-0.929 / 0.920 less the floor; docs/benchmarks.md). Rejection falls on the tenant furthest over its share: when the
-queue must shed one request (its wait bound or its count bound), it is the queued request
-with the largest tag (the newest of the tenant whose work would be served last), not the
-newest arrival; the arrival itself when its own tag would be the largest, as in a plain
-FIFO with one tenant.
+tenant's own requests always count ahead of its next). Less the floor, because every counter
+moves on while a request waits (its tenant's answers stream): taken whole, the tags of a
+tenant with 30 answers streaming went stale within a queue's wait, and a light tenant
+arriving behind them was counted behind all of them and refused (in the simulator the lowest
+light tenant read 0.907 / 0.925 / 0.902 at seeds 7 / 1 / 2 with whole tags, 0.924 / 0.929 /
+0.920 less the floor; docs/benchmarks.md). Rejection falls on the tenant furthest over its
+share: when the queue must shed one request (its wait bound or its count bound), it is the
+queued request with the largest tag (the newest of the tenant whose work would be served
+last), not the newest arrival; the arrival itself when its own tag would be the largest, as
+in a plain FIFO with one tenant.
 
 State is bounded: a tenant with nothing queued or in flight is forgotten once its counter
 is at or under the floor (it would be lifted there anyway); one idle above the floor keeps

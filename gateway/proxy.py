@@ -155,7 +155,7 @@ class Proxy:
         try:
             objective = parse_objective(ttft_ms)
         except InvalidHeader as exc:
-            self.access.refused(rid, cls, exc)
+            self.access.refused(rid, cls, exc, tenant.label)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         try:
@@ -166,7 +166,7 @@ class Proxy:
             body = await read_body(receive, s.max_body)
         except BodyTooLarge as exc:
             self.gate.metrics.count_client_rejection("body_too_large")
-            self.access.refused(rid, cls, exc)
+            self.access.refused(rid, cls, exc, tenant.label)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         if body is None:
@@ -242,7 +242,7 @@ class Proxy:
         try:
             permit = await self.gate.acquire(cls, size, objective, tenant)
         except Rejection as exc:
-            self.access.refused(rid, cls, exc)
+            self.access.refused(rid, cls, exc, tenant.label)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         ex.admitted_at, ex.upstream, ex.permit = permit.admitted_at, permit.upstream, permit
@@ -278,7 +278,7 @@ class Proxy:
                 resp.release() if ex.finished else resp.close()
             if self.access.on():
                 if refused is not None:
-                    self.access.refused(rid, cls, refused)
+                    self.access.refused(rid, cls, refused, tenant.label)
                 else:
                     self.access.finished(rid, permit, outcome, self._status(ex, resp, error), tap)
         if refused is not None:

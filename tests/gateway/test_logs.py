@@ -104,6 +104,9 @@ async def test_one_access_line_per_request_with_its_fields(json_log: io.StringIO
         assert a["level"] == "INFO" and a["message"] == "access"
         assert a["class"] == "default"
     streamed = lines["r-1"]
+    # the keyed request's tenant by its hash (the key itself is checked absent above)
+    assert streamed["tenant"].startswith("key-") and len(streamed["tenant"]) == 16
+    assert {lines[r]["tenant"] for r in ("r-2", "r-3", "r-4")} == {"anonymous"}
     assert streamed["upstream"] == "e0" and streamed["outcome"] == "ok"
     assert streamed["status"] == 200
     assert streamed["prompt_tokens"] == 3 and streamed["output_tokens"] == 3
