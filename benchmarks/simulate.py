@@ -73,6 +73,7 @@ from kneegate.gateway.admission_types import (
     Ticket,
     UpstreamState,
 )
+from kneegate.gateway.fairness import jain_index
 
 __all__ = [
     "WAIT_CAPS",
@@ -81,7 +82,6 @@ __all__ = [
     "Tenant",
     "demand_ratio",
     "engine_ttft",
-    "jain",
     "load_scenario",
     "run",
     "scenario_names",
@@ -879,12 +879,6 @@ def water_fill(total: float, demands: dict[str, float],
     return share
 
 
-def jain(xs: Sequence[float]) -> float:
-    """Jain's index, (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one has all."""
-    squares = sum(x * x for x in xs)
-    return sum(xs) ** 2 / (len(xs) * squares) if squares > 0 else 1.0
-
-
 @dataclass
 class TenantRow:
     tenant: str
@@ -918,7 +912,7 @@ def tenant_table(sc: Scenario, controller: str, seed: int) -> str:
     lines = [
         f"# {sc.name}, {controller}: fair shares vs one FIFO, goodput {total:.0f} vs "
         f"{total_fifo:.0f} tok/s ({total / max(total_fifo, 1e-9):.3f}x); Jain's index over "
-        f"the {len(backlogged)} backlogged tenants {jain(backlogged):.3f}",
+        f"the {len(backlogged)} backlogged tenants {jain_index(backlogged):.3f}",
         f"# {'tenant':<10} {'weight':>6} {'demand':>8} {'share':>8} {'fair':>8} "
         f"{'fair/min':>8} {'fifo':>8} {'fifo/min':>8}",
     ]

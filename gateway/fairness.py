@@ -65,18 +65,25 @@ import bisect
 import heapq
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kneegate.gateway.admission_types import TenantPolicy, Ticket
 
-__all__ = ["OUTPUT_WEIGHT", "PROMPT_WEIGHT", "FairQueue", "TokenBuckets"]
+__all__ = ["OUTPUT_WEIGHT", "PROMPT_WEIGHT", "FairQueue", "TokenBuckets", "jain_index"]
 
 # VTC's service function, w_p x prompt + w_q x output tokens, with the paper's weights: an
 # output token costs a decode step of the whole sequence, a prompt token a share of one
 # prefill pass.
 PROMPT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
+
+
+def jain_index(xs: Sequence[float]) -> float:
+    """Jain's index, (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one has all
+    (1 for nothing to compare)."""
+    squares = sum(x * x for x in xs)
+    return sum(xs) ** 2 / (len(xs) * squares) if squares > 0 else 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -260,10 +267,9 @@ class FairQueue:
             if a.mark is not None:
                 xs.append(max(0.0, a.counter - a.mark))
             a.mark = a.counter
-        total, squares = sum(xs), sum(x * x for x in xs)
-        if len(xs) < 2 or squares <= 0:
+        if len(xs) < 2 or not any(xs):
             return None
-        return total * total / (len(xs) * squares)
+        return jain_index(xs)
 
     def counter(self, name: str) -> float | None:
         """Tenant `name`'s counter (None: not known here)."""

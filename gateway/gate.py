@@ -147,10 +147,11 @@ class Gate:
         if reason != "client_gone":
             m.child(m.tenant_rejected, ticket.tenant.label, ticket.cls, reason).inc()
 
-    def charge(self, permit: Permit, tokens: int) -> None:
-        """`tokens` more output tokens of `permit`'s request streamed: its tenant's share."""
+    def charge(self, permit: Permit, tokens: int, now: float) -> None:
+        """`tokens` more output tokens of `permit`'s request streamed by `now`: its tenant's
+        share and token quota."""
         if tokens > 0 and not permit.done:
-            self.queue.charge(permit.ticket, tokens, self.clock())
+            self.queue.charge(permit.ticket, tokens, now)
 
     def fairness(self) -> None:
         """Set each class's fairness gauge from a reading of its queue (once a second)."""

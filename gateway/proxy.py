@@ -427,7 +427,7 @@ class Proxy:
                 if tap is not None and tap.streaming and permit is not None:
                     # its tenant's fair share is charged as the output streams (one event
                     # is about one token; the true count settles it at the end)
-                    self.gate.charge(permit, tap.events - permit.ticket.output_charged)
+                    self.gate.charge(permit, tap.events - permit.ticket.output_charged, now)
             elif ex.chunks == 0:
                 if now - ex.admitted_at > fb:
                     ex.abort(Outcome.TIMEOUT)

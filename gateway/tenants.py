@@ -82,10 +82,8 @@ class Tenants:
         assert auth is not None
         policy = self._cache.get(auth)
         if policy is None:
-            if len(self._cache) >= self.CACHE_MAX:
-                self._cache.clear()
             name = "key-" + hashlib.blake2b(key, digest_size=6).hexdigest()
-            policy = self._cache[auth] = TenantPolicy(name, label=self._label(name))
+            policy = self._remember(auth, name)
         return policy
 
     def class_of(self, policy: TenantPolicy) -> str | None:
@@ -94,11 +92,13 @@ class Tenants:
 
     def _named(self, name: str) -> TenantPolicy:
         key = b"\0header:" + name.encode("latin-1")  # apart from Authorization values
-        policy = self._cache.get(key)
-        if policy is None:
-            if len(self._cache) >= self.CACHE_MAX:
-                self._cache.clear()
-            policy = self._cache[key] = TenantPolicy(name, label=self._label(name))
+        return self._cache.get(key) or self._remember(key, name)
+
+    def _remember(self, key: bytes, name: str) -> TenantPolicy:
+        """A tenant of its own named `name`, cached under `key` (the cache cleared when full)."""
+        if len(self._cache) >= self.CACHE_MAX:
+            self._cache.clear()
+        policy = self._cache[key] = TenantPolicy(name, label=self._label(name))
         return policy
 
     def _label(self, name: str) -> str:

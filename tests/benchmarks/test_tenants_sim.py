@@ -8,19 +8,19 @@ import pytest
 from kneegate.benchmarks.simulate import (
     Tenant,
     goodput,
-    jain,
     load_scenario,
     run,
     tenant_rows,
     water_fill,
 )
+from kneegate.gateway.fairness import jain_index
 
 
 def test_water_fill_caps_each_at_its_demand_and_shares_the_rest_by_weight() -> None:
     assert water_fill(90, {"a": 10, "b": 100, "c": 100}, {"a": 1, "b": 1, "c": 2}) == {
         "a": 10, "b": pytest.approx(80 / 3), "c": pytest.approx(160 / 3)}
     assert water_fill(300, {"a": 10, "b": 20}, {"a": 1, "b": 1}) == {"a": 10, "b": 20}
-    assert jain([1, 1, 1]) == 1.0 and jain([3, 0, 0]) == pytest.approx(1 / 3)
+    assert jain_index([1, 1, 1]) == 1.0 and jain_index([3, 0, 0]) == pytest.approx(1 / 3)
 
 
 def test_a_lone_tenant_gets_exactly_what_one_fifo_gives_it() -> None:
