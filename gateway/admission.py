@@ -182,16 +182,22 @@ class AdmissionQueue:
         self.demand.arrive(now)  # offered load: counted whatever is decided below
         # every upstream that may serve it hears of it as it arrives, queued or shed: under
         # overload the queue delays admissions by seconds
+        usable = False
         for u in self.upstreams:
             if u.usable:
-                self._call(u, "on_arrival", ticket.tokens)
+                usable = True
+                try:  # `_call`, inline: this runs on every request
+                    u.controller.on_arrival(ticket.tokens)
+                except Exception as exc:
+                    self._failed(u, "on_arrival", exc)
         if self.closed:
             return self.shutdown_rejection()
-        if not any(u.usable for u in self.upstreams):
+        if not usable:
             return no_upstream(self.retry_after_min)
-        quota = self._over_quota(ticket, now)
-        if quota is not None:
-            return quota
+        if ticket.tenant.capped:
+            quota = self._over_quota(ticket, now)
+            if quota is not None:
+                return quota
         q = self._queues[cls]
         higher = self._ahead_of(cls, above=True)
         if higher == 0 and not q:
@@ -281,17 +287,21 @@ class AdmissionQueue:
         self._queues[ticket.cls].charge_output(ticket, tokens)
 
     def _charge_tokens(self, ticket: Ticket, tokens: int, now: float) -> None:
-        if tokens > 0:
+        if tokens > 0 and ticket.tenant.tokens_per_minute is not None:
             self._buckets.take(ticket.tenant, tokens, now)
 
     def note_sample(self, upstream: UpstreamState, sample: Sample) -> None:
         """One request's outcome for `upstream`'s controller (a client's is never a sample);
         a first token also feeds the engine's TTFT, the engine's part of a predicted wait."""
-        if sample.outcome.is_client:
-            return
-        self._call(upstream, "on_sample", sample)
-        if sample.ttft is not None and sample.outcome is Outcome.OK:
-            self.note_ttft(sample.ttft)
+        outcome = sample.outcome
+        if outcome is Outcome.CLIENT_CANCELLED or outcome is Outcome.CLIENT_STALLED:
+            return  # `outcome.is_client`, without the property's call
+        try:
+            upstream.controller.on_sample(sample)
+        except Exception as exc:
+            self._failed(upstream, "on_sample", exc)
+        if sample.ttft is not None and outcome is Outcome.OK:
+            self._wait.note_ttft(sample.ttft)
 
     def tick(self, now: float, upstreams: Iterable[UpstreamState] | None = None
              ) -> tuple[list[Ticket], list[Ticket]]:
@@ -311,9 +321,13 @@ class AdmissionQueue:
         try:
             getattr(up.controller, hook)(*args)
         except Exception as exc:
-            if self.on_error is None:
-                raise
-            self.on_error(up, hook, exc)
+            self._failed(up, hook, exc)
+
+    def _failed(self, up: UpstreamState, hook: str, exc: Exception) -> None:
+        """`up`'s controller raised `exc` in `hook`: to `on_error` (re-raised without one)."""
+        if self.on_error is None:
+            raise exc
+        self.on_error(up, hook, exc)
 
     def free(self, ticket: Ticket) -> None:
         """Give back a dispatched ticket's slot and tokens, unserved (its caller left before
@@ -335,6 +349,9 @@ class AdmissionQueue:
         out: list[Ticket] = []
         for name in self._order:
             q = self._queues[name]
+            if not q:  # nothing waits: no head to judge (the common case, every release)
+                self._net.empty(name, now)
+                continue
             target = self._target(name)
             head = q.head()
             standing = self._net.standing(name, head.arrived_at if head else None, target, now)
@@ -379,6 +396,11 @@ class AdmissionQueue:
         """Each class's Jain's index since the last call (`FairQueue.jain`); None where
         fewer than two tenants stayed backlogged."""
         return {name: q.jain() for name, q in self._queues.items() if name in self.classes}
+
+    @property
+    def has_late(self) -> bool:
+        """Heads `pump` set aside, not yet taken (`take_late`)."""
+        return bool(self._late)
 
     def take_late(self) -> list[Ticket]:
         """The heads `pump` set aside past their objective (cheap: no scan), removed."""
@@ -473,14 +495,19 @@ class AdmissionQueue:
         its slot, and its tenant's charge for its prompt."""
         self._place(ticket, up, now)
         self._queues[ticket.cls].dispatched(ticket, queued)
-        self._buckets.take(ticket.tenant, ticket.tokens, now)
+        if ticket.tenant.tokens_per_minute is not None:
+            self._buckets.take(ticket.tenant, ticket.tokens, now)
 
     def _place(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
         if up.inflight == 0 and not any(u.inflight for u in self.upstreams):
             self._wait.completions.resume(now)  # busy again after idle
-        up.take(ticket.tokens)
+        up.inflight += 1  # `up.take`, inline
+        up.inflight_tokens += ticket.tokens
         ticket.upstream = up
         ticket.dispatched_at = now
         ticket.inflight_at_admit = up.inflight
-        self._call(up, "on_admit", ticket.tokens)
+        try:
+            up.controller.on_admit(ticket.tokens)
+        except Exception as exc:
+            self._failed(up, "on_admit", exc)
         self.demand.occupy(now, sum(u.inflight for u in self.upstreams))

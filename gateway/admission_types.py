@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kneegate.controllers.base import Controller
@@ -110,6 +110,12 @@ class TenantPolicy:
     max_inflight: int | None = None  # its requests queued or in flight, at most
     tokens_per_minute: float | None = None  # prompt + output tokens a minute, at most
     label: str = "anonymous"
+    # either cap set (read on every offer: a field, not a property)
+    capped: bool = field(init=False, repr=False, compare=False, default=False)
+
+    def __post_init__(self) -> None:
+        capped = self.max_inflight is not None or self.tokens_per_minute is not None
+        object.__setattr__(self, "capped", capped)
 
 
 ANONYMOUS = TenantPolicy()

@@ -133,3 +133,8 @@ class StandingQueue:
             self._short_at[name] = now
             return False
         return now - self._short_at.setdefault(name, now) > self.STANDING * target
+
+    def empty(self, name: str, now: float) -> None:
+        """Class `name`'s queue is empty at `now`: `standing(name, None, ...)` without the
+        question (every head so far waited no longer than its target)."""
+        self._short_at[name] = now

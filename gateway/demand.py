@@ -146,8 +146,13 @@ class Demand:
         dt = now - self._last
         if dt <= 0:  # an event stamped before the last one (the simulator's steps): same time
             return
-        a, c, s, t = self._decayed(dt)
-        self._arrivals, self._completions, self._busy, self._span = a, c, s, t
+        # `_decayed`, inline: this runs two or three times a request
+        w = 0.5 ** (dt / self.half_life)
+        held = (1.0 - w) * self.half_life / _LN2
+        self._arrivals *= w
+        self._completions *= w
+        self._busy = self._busy * w + self._inflight * held
+        self._span = self._span * w + held
         self._last = now
 
     def _decayed(self, dt: float) -> tuple[float, float, float, float]:

@@ -226,10 +226,14 @@ class FairQueue:
         if a is None:
             return
         if output_tokens is not None:
-            self.charge_output(ticket, output_tokens - ticket.output_charged)
+            rest = output_tokens - ticket.output_charged
+            if rest > 0:  # `charge_output`, inline
+                ticket.output_charged = output_tokens
+                self._charge(a, ticket, OUTPUT_WEIGHT * rest)
             self.mean_output += 0.05 * (OUTPUT_WEIGHT * output_tokens - self.mean_output)
         a.inflight -= 1
-        self._settle(a)
+        if a.inflight <= 0 and not a.queued:
+            self._settle(a)
 
     def refund(self, ticket: Ticket) -> None:
         """`ticket` comes back unserved (its engine refused it, its caller left before
@@ -312,7 +316,7 @@ class FairQueue:
         backlogged counter (the floor when none is), no credit for the time it sent nothing;
         a tenant with requests still in flight up to `CREDIT` requests short of it; one
         that left owing (`_idle`), where its debt puts it."""
-        least = self._least_backlogged()
+        least = self._least_backlogged() if self._backlogged else self.floor
         a = self._accounts.get(ticket.tenant.name)
         if a is not None:
             cost = self._cost(ticket.tokens, 1) / ticket.tenant.weight

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import time
+from typing import Any, NamedTuple
 
 from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.gateway.admission import AdmissionQueue
@@ -56,6 +57,15 @@ _REJECTIONS: dict[RejectReason, type[Rejection]] = {
     RejectReason.SHUTTING_DOWN: ShuttingDown,
     RejectReason.TENANT_QUOTA: TenantQuota,
 }
+
+
+class _Lane(NamedTuple):
+    """The counters one (upstream, class, tenant) moves on the hot path, resolved once."""
+
+    admitted: Any
+    tenant_admitted: Any
+    queue_wait: Any
+    output_tokens: Any
 
 
 def rejection(r: Rejected) -> Rejection:
@@ -111,6 +121,10 @@ class Gate:
         self.handing: dict[str, int] = {}  # class -> tickets dispatched, caller not resumed
         self._logged: set[tuple[str, str]] = set()  # (upstream, hook) whose error was logged
         queue.on_error = self._controller_error
+        # what the hot path moves, resolved once per class, tenant and upstream (a dict
+        # lookup a request instead of a child's for each counter): `_lane`, `_received`
+        self._lanes: dict[tuple[str, str, str], _Lane] = {}
+        self._received: dict[str, Any] = {}
 
     def depth(self, cls: str) -> int:
         """Requests of `cls` waiting for a slot, as counted: queued or being handed one."""
@@ -124,10 +138,13 @@ class Gate:
         `tenant`: whom it is for (fair shares within the class, the tenant's caps)."""
         now = self.clock()
         ticket = Ticket(cls, now, tokens=tokens, ttft_objective=objective, tenant=tenant)
-        m = self.metrics
-        m.child(m.received, cls).inc()
+        received = self._received.get(cls)
+        if received is None:
+            m = self.metrics
+            received = self._received[cls] = m.child(m.received, cls)
+        received.inc()
         decision = self.queue.offer(ticket, now)
-        if isinstance(decision, Admitted):
+        if type(decision) is Admitted:
             return self._admit(ticket)
         if isinstance(decision, Rejected):
             self._shed(ticket, decision.reason.value)
@@ -196,14 +213,23 @@ class Gate:
         return up
 
     def _admit(self, ticket: Ticket) -> Permit:
-        """Count the admission, tell the controller, hand out the permit."""
+        """Count the admission, hand out the permit (the queue told the controller)."""
         up = self._upstream(ticket)
         assert ticket.dispatched_at is not None
-        m = self.metrics
-        m.child(m.admitted, up.name, ticket.cls).inc()
-        m.child(m.tenant_admitted, ticket.tenant.label, ticket.cls).inc()
-        m.child(m.queue_wait, ticket.cls).observe(ticket.dispatched_at - ticket.arrived_at)
+        lane = self._lane(up.name, ticket.cls, ticket.tenant.label)
+        lane.admitted.inc()
+        lane.tenant_admitted.inc()
+        lane.queue_wait.observe(ticket.dispatched_at - ticket.arrived_at)
         return Permit(self, ticket, up)
+
+    def _lane(self, upstream: str, cls: str, tenant: str) -> _Lane:
+        lane = self._lanes.get((upstream, cls, tenant))
+        if lane is None:
+            m = self.metrics
+            lane = self._lanes[upstream, cls, tenant] = _Lane(
+                m.child(m.admitted, upstream, cls), m.child(m.tenant_admitted, tenant, cls),
+                m.child(m.queue_wait, cls), m.child(m.tenant_output_tokens, tenant, cls))
+        return lane
 
     def _wake(self, tickets: list[Ticket]) -> None:
         for t in tickets:
@@ -232,9 +258,9 @@ class Gate:
                                              user <= self.queue.objective(t))
         self.metrics.count_finished(up.name, outcome, ttft, tpot, tokens)
         if tokens:
-            self.metrics.child(self.metrics.tenant_output_tokens, t.tenant.label, t.cls
-                               ).inc(tokens)
-        self._woken(dispatched)
+            self._lane(up.name, t.cls, t.tenant.label).output_tokens.inc(tokens)
+        if dispatched or self.queue.has_late:
+            self._woken(dispatched)
 
     def _controller_error(self, up: UpstreamState, hook: str, exc: Exception) -> None:
         """What a controller raised in `hook`: logged once per (upstream, hook), counted."""
@@ -315,10 +341,10 @@ class Gate:
 
     def _woken(self, dispatched: list[Ticket]) -> None:
         """Hand slots to the dispatched; answer at once the heads `pump` set aside."""
-        self._wake(dispatched)
-        late = self.queue.take_late()
-        if late:
-            self._time_out(late)
+        if dispatched:
+            self._wake(dispatched)
+        if self.queue.has_late:
+            self._time_out(self.queue.take_late())
 
     def _time_out(self, tickets: list[Ticket]) -> None:
         m = self.metrics
