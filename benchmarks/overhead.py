@@ -22,12 +22,16 @@ core; `us/req` and `us/ev` divide that CPU by the requests and by the SSE events
 the window (issue 16's goals: <= 60 us per request in the short shape, <= 15 us per event).
 CPU time hardly depends on how busy the machine is, unlike the latency columns, so
 `--shapes short --concurrency 256 --seconds 4` is a fair quick check of a change.
+
+`--granian` adds kneegate's own app under granian (a Rust HTTP server for Python apps), the
+ASGI server issue 16 asked to measure against uvicorn's request cycle: `kg-granian` rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -160,6 +164,37 @@ http {{
 """
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@contextlib.contextmanager
+def _granian(up_port: int) -> Iterator[tuple[int, int]]:
+    """kneegate's app (`benchmarks.asgi_app`) under granian, one worker on the proxy's core;
+    yields its port and its worker's pid (granian's main process only supervises)."""
+    port = _free_port()
+    cmd = [*_pin(PROXY_CORES), sys.executable, "-m", "granian", "--interface", "asgi",
+           "--loop", "uvloop", "--workers", "1", "--runtime-mode", "st", "--no-ws",
+           "--http", "1", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+           "kneegate.benchmarks.asgi_app:app"]
+    env = {**os.environ, "KNEEGATE_BENCH_UPSTREAM": f"http://127.0.0.1:{up_port}"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health")
+        workers = _children(proc.pid)
+        yield port, (workers[-1] if workers else proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @contextlib.contextmanager
 def _nginx(up_port: int) -> Iterator[tuple[int, int]]:
     port = _free_port()
@@ -196,7 +231,8 @@ def _cell(target: str, shape: str, conc: int, port: int, seconds: float,
 
 
 def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
-               workers_at: int | None, lockstep: bool = False) -> list[Cell]:
+               workers_at: int | None, lockstep: bool = False, granian: bool = False
+               ) -> list[Cell]:
     cells: list[Cell] = []
     have_nginx = shutil.which("nginx") is not None
     for shape in shapes:
@@ -209,6 +245,10 @@ def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
                     if workers_at == conc and shape == "realistic":
                         with _gateway(up, 2) as (gp, pid):
                             cells.append(_cell("kneegate-2w", shape, conc, gp, seconds, pid,
+                                               lockstep))
+                    if granian:
+                        with _granian(up) as (gp, pid):
+                            cells.append(_cell("kg-granian", shape, conc, gp, seconds, pid,
                                                lockstep))
                     if have_nginx:
                         with _nginx(up) as (np_, pid):
@@ -275,15 +315,20 @@ def main(argv: list[str] | None = None) -> None:
                    help="also run 2 gateway workers at this realistic concurrency (0: never)")
     p.add_argument("--quick", action="store_true", help="realistic x256 only")
     p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--granian", action="store_true",
+                   help="also run kneegate's app under granian, another ASGI server "
+                        "(`pip install granian`), beside uvicorn")
     p.add_argument("--lockstep", action="store_true",
                    help="start every worker at once (waves; the method before 2026-11-30)")
     args = p.parse_args(argv)
+    if args.granian and importlib.util.find_spec("granian") is None:
+        p.error("--granian needs granian: pip install granian")
     shapes = ["realistic"] if args.quick else args.shapes.split(",")
     concs = [256] if args.quick else [int(c) for c in args.concurrency.split(",")]
     print(f"cpus={os.cpu_count()} client+upstream on core {CLIENT_CORE}, proxy on core "
           f"{PROXY_CORES}; {args.seconds:g}s per cell, {args.repeat} round(s), medians")
     cells = run_matrix(shapes, concs, args.seconds, args.repeat, args.workers_at or None,
-                       args.lockstep)
+                       args.lockstep, args.granian)
     rows = print_table(cells)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
