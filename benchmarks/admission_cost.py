@@ -11,6 +11,9 @@ so a busy machine inflates it less than wall time would):
   queued    the upstream full and `--tenants` tenants backlogged (4 queued each): each
             request is offered, queued and, as one in flight ends, dispatched by the fair
             queue (the path under overload)
+  gate      `through`, as the proxy pays it: `Gate.acquire` and `Permit.finish` with a
+            sample, the gateway's own metrics included, on an asyncio loop (a gateway
+            built from the config `kneegate serve --controller fixed` makes)
 
 Prints microseconds per request for each shape and tenant count.
 """
@@ -18,6 +21,7 @@ Prints microseconds per request for each shape and tenant count.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 
@@ -70,12 +74,34 @@ def _queued(n: int, tenants: list[TenantPolicy]) -> float:
     return (time.process_time() - t0) / n
 
 
+def _gate(n: int, tenants: list[TenantPolicy]) -> float:
+    from kneegate.gateway.app import Gateway
+    from kneegate.gateway.config import parse_config
+
+    gw = Gateway(parse_config({"upstreams": [{
+        "name": "u", "url": "http://127.0.0.1:9", "controller": "fixed",
+        "params": {"initial": 100_000, "max_limit": 100_000}}]}, "admission_cost"))
+    gate = gw.gate
+
+    async def cycles() -> float:
+        t0 = time.process_time()
+        for i in range(n):
+            permit = await gate.acquire("default", 100, tenant=tenants[i % len(tenants)])
+            permit.finish(Outcome.OK, Sample(permit.admitted_at, 1.0, 0.1, 100, 10,
+                                             permit.ticket.inflight_at_admit, Outcome.OK))
+        return (time.process_time() - t0) / n
+
+    return asyncio.run(cycles())
+
+
+_SHAPES = {"through": _through, "queued": _queued, "gate": _gate}
+
+
 def per_request(shape: str, tenants: int, requests: int, repeat: int) -> float:
     """Best of `repeat` runs: CPU seconds per request."""
     policies = [ANONYMOUS] if tenants == 1 else [
         TenantPolicy(f"t{i}", label=f"t{i}") for i in range(tenants)]
-    fn = _through if shape == "through" else _queued
-    return min(fn(requests, policies) for _ in range(repeat))
+    return min(_SHAPES[shape](requests, policies) for _ in range(repeat))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,11 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=50_000)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
-    print(f"{'tenants':>8} {'through us/req':>14} {'queued us/req':>14}")
+    print(f"{'tenants':>8}" + "".join(f"{s + ' us/req':>15}" for s in _SHAPES))
     for n in (int(x) for x in args.tenants.split(",")):
-        through = per_request("through", n, args.requests, args.repeat)
-        queued = per_request("queued", n, args.requests, args.repeat)
-        print(f"{n:>8} {through * 1e6:>14.2f} {queued * 1e6:>14.2f}", flush=True)
+        cost = [per_request(s, n, args.requests, args.repeat) for s in _SHAPES]
+        print(f"{n:>8}" + "".join(f"{c * 1e6:>15.2f}" for c in cost), flush=True)
     return 0
 
 
