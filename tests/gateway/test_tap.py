@@ -69,3 +69,15 @@ def test_the_last_usage_wins_and_a_null_count_falls_back_to_the_one_before() -> 
     assert tap.usage() == (7, 2)
     tap.feed(_event({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": None}}))
     assert tap.usage() == (8, 2)  # no number in the last: the count before it
+
+
+def test_a_streams_usage_is_read_from_its_last_events_only() -> None:
+    # a count early in a stream is the count at that time, not the answer's: with no usage
+    # in its last events, the events are counted
+    # in one chunk, as a short answer comes whole
+    tap = Tap(Clock(), streaming=True)
+    tap.feed(_event({"choices": [{"text": "a"}],
+                     "usage": {"prompt_tokens": 7, "completion_tokens": 1}})
+             + b"".join(_event({"choices": [{"text": str(i)}]}) for i in range(4))
+             + b"data: [DONE]\n\n")
+    assert tap.usage() == (0, 5)
