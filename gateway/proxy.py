@@ -65,7 +65,13 @@ from kneegate.gateway.forwarding import (
 from kneegate.gateway.gate import Gate, Permit
 from kneegate.gateway.tap import Tap
 from kneegate.gateway.types import Clock, Receive, Scope, Send
-from kneegate.gateway.upstream_client import UpstreamClient, UpstreamResponse, upstream_errors
+from kneegate.gateway.upstream_client import (
+    TRANSPORT_ERRORS,
+    UpstreamClient,
+    UpstreamResponse,
+    upstream_error,
+    upstream_errors,
+)
 from kneegate.gateway.upstreams import Upstream, UpstreamPool
 from kneegate.gateway.wire import EXTENSION as WIRE_EXTENSION
 from kneegate.gateway.wire import BodyWriter
@@ -255,8 +261,10 @@ class Proxy:
         try:
             resp = await self._open(ex, permit, scope, headers, body)
             tap = ex.tap = Tap(self.clock, is_sse(resp.headers))
-            with upstream_errors(permit.upstream.url):
+            try:
                 await self._relay(ex, resp, tap, send, rid, writer)
+            except TRANSPORT_ERRORS as exc:  # `with upstream_errors(...)`, without its calls
+                raise upstream_error(permit.upstream.url, exc) from exc
             outcome = _outcome_for_status(resp.status)
         except UpstreamError as exc:
             outcome, error = self._upstream_failed(permit, exc, rid), exc

@@ -40,14 +40,33 @@ from kneegate.gateway.errors import (
 )
 from kneegate.gateway.upstream_conn import Origin, UpstreamConnection, UpstreamResponse
 
-__all__ = ["UpstreamClient", "UpstreamResponse", "upstream_errors"]
+__all__ = ["TRANSPORT_ERRORS", "UpstreamClient", "UpstreamResponse", "upstream_error",
+           "upstream_errors"]
+
+# what a transport raises: `upstream_error` says what each means (TimeoutError is an OSError)
+TRANSPORT_ERRORS = (OSError, httptools.HttpParserError, httptools.HttpParserUpgrade)
+
+
+def upstream_error(url: str, exc: BaseException) -> UpstreamError:
+    """The UpstreamTimeout / UpstreamError that `exc` (one of TRANSPORT_ERRORS) from the
+    engine at `url` means. On the hot path, instead of `upstream_errors`:
+
+        try:
+            ...
+        except TRANSPORT_ERRORS as exc:
+            raise upstream_error(url, exc) from exc
+    """
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeout(f"upstream {url} timed out", "timed out")
+    if isinstance(exc, OSError):
+        reason = "connection reset" if isinstance(exc, ConnectionError) else "connection failed"
+        return UpstreamError(f"upstream {url} failed: {exc!r}", reason)
+    return UpstreamError(f"upstream {url} sent an invalid response: {exc!r}", "invalid response")
 
 
 class upstream_errors:
-    """Map transport-level exceptions to UpstreamTimeout / UpstreamError (`raise from`).
-
-    A class, not @contextmanager: it is entered twice per proxied request.
-    """
+    """`with upstream_errors(url):` maps transport exceptions to UpstreamTimeout /
+    UpstreamError (`raise from`); see `upstream_error` for the hot path's form."""
 
     __slots__ = ("url",)
 
@@ -59,16 +78,8 @@ class upstream_errors:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if exc is None:
-            return
-        if isinstance(exc, TimeoutError):
-            raise UpstreamTimeout(f"upstream {self.url} timed out", "timed out") from exc
-        if isinstance(exc, OSError):
-            reason = "connection reset" if isinstance(exc, ConnectionError) else "connection failed"
-            raise UpstreamError(f"upstream {self.url} failed: {exc!r}", reason) from exc
-        if isinstance(exc, (httptools.HttpParserError, httptools.HttpParserUpgrade)):
-            raise UpstreamError(f"upstream {self.url} sent an invalid response: {exc!r}",
-                                "invalid response") from exc
+        if exc is not None and isinstance(exc, TRANSPORT_ERRORS):
+            raise upstream_error(self.url, exc) from exc
 
 
 def _origin(base: str) -> tuple[Origin, bytes]:
@@ -185,14 +196,15 @@ class UpstreamClient:
         conn.active = True
         assert conn.transport is not None
         try:
-            with upstream_errors(url):
-                conn.transport.write(payload)
-                while not conn.got_headers:  # the response head (no coroutine of its own)
-                    if conn.error is not None:
-                        raise conn.error
-                    await conn.next_wake()
-        except BaseException:
+            conn.transport.write(payload)
+            while not conn.got_headers:  # the response head (no coroutine of its own)
+                if conn.error is not None:
+                    raise conn.error
+                await conn.next_wake()
+        except BaseException as exc:
             conn.close()
+            if isinstance(exc, TRANSPORT_ERRORS):
+                raise upstream_error(url, exc) from exc
             raise
         return UpstreamResponse(conn)
 

@@ -324,7 +324,8 @@ class KneegateHttpProtocol(HttpToolsProtocol):
                 cycle.__class__ = CloseDelimitedCycle  # same state, one method differs
             writer = BodyWriter(cycle)
             # ASGI types each extension's value as a dict; ours is an object with methods.
-            extensions = cast("dict[str, object]", self.scope.setdefault("extensions", {}))
+            extensions: dict[str, object] = self.scope.setdefault(  # type: ignore[assignment]
+                "extensions", {})
             extensions[EXTENSION] = writer
             # Usually one; more only while pipelined requests wait for the one before.
             live = [w for w in self._writers or () if not w._cycle.response_complete]
