@@ -40,15 +40,12 @@ class Outcome(enum.Enum):
     UPSTREAM_OVERLOADED = "upstream_overloaded"  # engine said 429/503: a drop signal
     CLIENT_STALLED = "client_stalled"  # the caller stopped reading: never a latency sample
 
-    @property
-    def is_client(self) -> bool:
-        """True when the caller, not the engine, ended the request: never a sample."""
-        return self in (Outcome.CLIENT_CANCELLED, Outcome.CLIENT_STALLED)
-
-    @property
-    def is_drop(self) -> bool:
-        """True for outcomes that mean the engine is past what it can take."""
-        return self in (Outcome.TIMEOUT, Outcome.UPSTREAM_OVERLOADED)
+    def __init__(self, value: str) -> None:
+        # plain attributes, not properties: read on every request
+        # True when the caller, not the engine, ended the request: never a sample
+        self.is_client = value in ("client_cancelled", "client_stalled")
+        # True for outcomes that mean the engine is past what it can take
+        self.is_drop = value in ("timeout", "upstream_overloaded")
 
 
 @dataclass(frozen=True, slots=True)

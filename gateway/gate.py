@@ -75,10 +75,11 @@ def rejection(r: Rejected) -> Rejection:
 class Permit:
     """A held slot on one upstream. Ends in exactly one outcome."""
 
-    __slots__ = ("_done", "_gate", "ticket", "upstream")
+    __slots__ = ("_done", "_gate", "lane", "ticket", "upstream")
 
-    def __init__(self, gate: Gate, ticket: Ticket, upstream: Upstream) -> None:
+    def __init__(self, gate: Gate, ticket: Ticket, upstream: Upstream, lane: _Lane) -> None:
         self._gate, self.ticket, self.upstream = gate, ticket, upstream
+        self.lane = lane  # its counters (`output_tokens` is the tenant's, whatever upstream)
         self._done = False
 
     @property
@@ -220,7 +221,7 @@ class Gate:
         lane.admitted.inc()
         lane.tenant_admitted.inc()
         lane.queue_wait.observe(ticket.dispatched_at - ticket.arrived_at)
-        return Permit(self, ticket, up)
+        return Permit(self, ticket, up, lane)
 
     def _lane(self, upstream: str, cls: str, tenant: str) -> _Lane:
         lane = self._lanes.get((upstream, cls, tenant))
@@ -253,12 +254,14 @@ class Gate:
         if sample is not None and not outcome.is_client:
             ttft, tpot, tokens = sample.ttft, sample.tpot, sample.output_tokens
             if ttft is not None:  # the user's clock: from arrival, not dispatch
-                user = ttft + permit.admitted_at - t.arrived_at
+                at = t.dispatched_at
+                assert at is not None, "a permit's ticket was dispatched"
+                user = ttft + at - t.arrived_at
                 self.metrics.count_user_ttft(t.cls, user, tokens,
                                              user <= self.queue.objective(t))
         self.metrics.count_finished(up.name, outcome, ttft, tpot, tokens)
         if tokens:
-            self._lane(up.name, t.cls, t.tenant.label).output_tokens.inc(tokens)
+            permit.lane.output_tokens.inc(tokens)
         if dispatched or self.queue.has_late:
             self._woken(dispatched)
 

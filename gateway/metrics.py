@@ -285,8 +285,8 @@ class GatewayMetrics:
             self.reloads.labels(result)
         self._live: _LiveCollector | None = None
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        # (upstream, outcome) -> what `count_finished` moves, resolved once
-        self._finish: dict[tuple[str, Outcome], _Finish] = {}
+        # (upstream, outcome's value) -> what `count_finished` moves, resolved once
+        self._finish: dict[tuple[str, str], _Finish] = {}
         self._user: dict[str, tuple[Any, Any]] = {}  # class -> (user_ttft, goodput_tokens)
 
     def child(self, metric: Counter | Histogram, *labels: str) -> Any:
@@ -329,9 +329,11 @@ class GatewayMetrics:
         self, upstream: str, outcome: Outcome, ttft: float | None, tpot: float | None,
         output_tokens: int,
     ) -> None:
-        f = self._finish.get((upstream, outcome))
+        # keyed by the outcome's value: a str hashes in C, an Enum member in Python
+        f = self._finish.get((upstream, outcome._value_))
         if f is None:
-            f = self._finish[upstream, outcome] = self._finished_children(upstream, outcome)
+            f = self._finish[upstream, outcome._value_] = self._finished_children(upstream,
+                                                                                  outcome)
         finished, failure, ttft_child, tpot_child, tokens = f
         finished.inc()
         if failure is not None:
