@@ -98,9 +98,10 @@ def _wait_port(port: int, seconds: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def _process(cmd: list[str], ready: str | int) -> Iterator[subprocess.Popen[bytes]]:
+def _process(cmd: list[str], ready: str | int, env: dict[str, str] | None = None
+             ) -> Iterator[subprocess.Popen[bytes]]:
     # never read: a pipe would fill and block the child (a gateway logs a line per request)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         if isinstance(ready, int):
             _wait_port(ready)
@@ -181,18 +182,9 @@ def _granian(up_port: int) -> Iterator[tuple[int, int]]:
            "--http", "1", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
            "kneegate.benchmarks.asgi_app:app"]
     env = {**os.environ, "KNEEGATE_BENCH_UPSTREAM": f"http://127.0.0.1:{up_port}"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health")
+    with _process(cmd, f"http://127.0.0.1:{port}/health", env) as proc:
         workers = _children(proc.pid)
         yield port, (workers[-1] if workers else proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @contextlib.contextmanager
