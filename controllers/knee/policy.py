@@ -39,9 +39,9 @@ move; a cut makes samples admitted before it no measurement.
 Between windows:
 - a prompt-size shift (`PromptSizes`) cuts limit, room and knee estimate by its ratio at
   once and clears the curve (the rescale's `Epoch` then holds the room and the share);
-- each scrape re-sizes the KV edge (`KvEdge`), which, with this gateway alone in front of
-  the engine, caps the limit, and sets it (up to the ceiling) where the cache is >= 3/4
-  full; `fits` is the token budget.
+- each scrape re-sizes the KV edge (`KvEdge`), which, times this gateway's share beside
+  others (1 alone), caps the limit, and sets it (up to the ceiling) where the cache is
+  >= 3/4 full; `fits` is the token budget, the share of it beside others.
 
 Reads `Sample` (admitted_at, duration, ttft, prompt and output tokens, outcome),
 `EngineStats` (running, waiting, KV use and size, preemptions, generated tokens), the
@@ -94,8 +94,9 @@ class Knee(Windowed):
     def limit(self) -> int:
         base = super().limit
         kv = self._kv.limit
-        if kv is None or not self._share.alone():
+        if kv is None:
             return base
+        kv *= self._part()
         # the KV edge caps the window's limit, and sets it (above the window's: while small
         # requests sized before a rescale drain, their KV frees for the new sizes) where the
         # cache is what holds the engine back, 3/4 full; below that a level never measured
@@ -105,13 +106,15 @@ class Knee(Windowed):
         return max(self.cfg.min_limit, min(self.cfg.max_limit, math.floor(kv)))
 
     def fits(self, inflight: int, inflight_tokens: int, tokens: int) -> bool:
-        """The token budget (`KvEdge.fits`); everything fits with several gateways (each
-        sees only its own requests)."""
-        if not self._share.alone():
-            return True
-        fits = self._kv.fits(inflight, inflight_tokens, tokens, self._cal)
+        """The token budget (`KvEdge.fits`): beside other gateways, this one's share of it."""
+        fits = self._kv.fits(inflight, inflight_tokens, tokens, self._cal, self._part())
         self._held_back = self._held_back or not fits  # demand met the budget: not idle
         return fits
+
+    def _part(self) -> float:
+        """This gateway's part of the engine's KV edge and token budget: the engine's
+        running and KV use, and its cache, are everyone's; its share of them is its own."""
+        return 1.0 if self._share.alone() else (self._share.estimate or 1.0)
 
     # --- inputs -----------------------------------------------------------------------
 
