@@ -70,6 +70,7 @@ class Summary:
     engine_waiting: float | None = None  # fewest waiting in any of the window's scrapes
     engine_preempted: float | None = None  # preemptions between the first and last scrape
     engine_kv: float | None = None  # mean KV-cache use, 0..1
+    engine_last: tuple[float, float] | None = None  # the last scrape's in-flight, its tokens/s
 
     @property
     def duration(self) -> float:
@@ -142,7 +143,18 @@ class Window:
             if n
             else None,
             engine_kv=sum(s.kv_cache_usage for s in self.stats) / n if n else None,
+            engine_last=self._last(),
         )
+
+    def _last(self) -> tuple[float, float] | None:
+        """The last scrape's running + waiting, and tokens/s since the one before it."""
+        if len(self.stats) < 2:
+            return None
+        a, b = self.stats[-2], self.stats[-1]
+        tokens = b.generation_tokens_total - a.generation_tokens_total
+        if b.at <= a.at or math.isnan(tokens):
+            return None
+        return b.running + b.waiting, tokens / (b.at - a.at)
 
     def _engine(self) -> tuple[float | None, float | None]:
         st = self.stats

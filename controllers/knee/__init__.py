@@ -7,7 +7,8 @@ decline) and the engine's room (what it holds when full); the objective ceiling 
 highest level measured below the lowest one that broke the TTFT or TPOT objective; the
 share is this gateway's part of the engine's in-flight, so several gateways hold the
 engine at `headroom x knee` together without talking. At the KV cache's edge, limits in
-tokens act beside it, and a shift in prompt sizes cuts at once by its ratio.
+tokens act beside it (each gateway its share of them), and a shift in prompt sizes cuts at
+once by its ratio.
 
 The parts, each pure (no clock, no I/O) and none calling back into the policy:
 

@@ -7,8 +7,9 @@ requests still run), or at `max_window`. Each closed window:
     bad     = a drop, or TTFT p90 > ttft_objective, or TPOT p50 > tpot_objective
     learn   the curve's point, unless the window measured a move of the limit (the burst
             of prefills after it) or the engine queued (the plateau at no level); after a
-            rise, a window whose engine in-flight filled 0.8 x the gateway's peak and whose
-            throughput grew from the highest level with elasticity >= 1/2 counts
+            rise, a window whose last scrape filled 0.8 x the gateway's peak and read
+            throughput grown from the highest level with elasticity >= 1/2 counts, as
+            that scrape's point (the window's means mix the scrapes from before the rise)
     room    re-read (`Room.measure`); app-limited, a lower reading is no news
     share   learnt (`Share.update`), not while app-limited
     knee    = min(curve knee, room)          (published only within a climb step of the
@@ -38,9 +39,9 @@ move; a cut makes samples admitted before it no measurement.
 Between windows:
 - a prompt-size shift (`PromptSizes`) cuts limit, room and knee estimate by its ratio at
   once and clears the curve (the rescale's `Epoch` then holds the room and the share);
-- each scrape re-sizes the KV edge (`KvEdge`), which, with this gateway alone in front of
-  the engine, caps the limit, and sets it (up to the ceiling) where the cache is >= 3/4
-  full; `fits` is the token budget.
+- each scrape re-sizes the KV edge (`KvEdge`), which, times this gateway's share beside
+  others (1 alone), caps the limit, and sets it (up to the ceiling) where the cache is
+  >= 3/4 full; `fits` is the token budget, the share of it beside others.
 
 Reads `Sample` (admitted_at, duration, ttft, prompt and output tokens, outcome),
 `EngineStats` (running, waiting, KV use and size, preemptions, generated tokens), the
@@ -51,6 +52,7 @@ no I/O. Why each rule is as it is: docs/design/knee.md.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from kneegate.controllers.base import EngineStats, Sample
@@ -92,8 +94,9 @@ class Knee(Windowed):
     def limit(self) -> int:
         base = super().limit
         kv = self._kv.limit
-        if kv is None or not self._share.alone():
+        if kv is None:
             return base
+        kv *= self._part()
         # the KV edge caps the window's limit, and sets it (above the window's: while small
         # requests sized before a rescale drain, their KV frees for the new sizes) where the
         # cache is what holds the engine back, 3/4 full; below that a level never measured
@@ -103,13 +106,15 @@ class Knee(Windowed):
         return max(self.cfg.min_limit, min(self.cfg.max_limit, math.floor(kv)))
 
     def fits(self, inflight: int, inflight_tokens: int, tokens: int) -> bool:
-        """The token budget (`KvEdge.fits`); everything fits with several gateways (each
-        sees only its own requests)."""
-        if not self._share.alone():
-            return True
-        fits = self._kv.fits(inflight, inflight_tokens, tokens, self._cal)
+        """The token budget (`KvEdge.fits`): beside other gateways, this one's share of it."""
+        fits = self._kv.fits(inflight, inflight_tokens, tokens, self._cal, self._part())
         self._held_back = self._held_back or not fits  # demand met the budget: not idle
         return fits
+
+    def _part(self) -> float:
+        """This gateway's part of the engine's KV edge and token budget: the engine's
+        running and KV use, and its cache, are everyone's; its share of them is its own."""
+        return 1.0 if self._share.alone() else (self._share.estimate or 1.0)
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -184,7 +189,12 @@ class Knee(Windowed):
         # the window after a move measures the move (a burst of prefills), not the level
         # a full engine's level counts its queue: its throughput is the plateau's, at no level
         measured = w.samples or w.engine_throughput is not None
-        if measured and (bad or not self._moved or self._climbed(w, level)) and not full:
+        climbed = self._climbed(w)
+        if climbed is not None and not (bad or full):
+            # the rise kept pace: its level is what the last scrape read, past the prefills
+            w, level = climbed, climbed.engine_inflight or level
+            self._curve.learn(w, level, bad)
+        elif measured and (bad or not self._moved) and not full:
             self._curve.learn(w, level, bad)
         # app-limited: demand under the limit, and under the token budget, with room to spare
         idle = w.saturated < c.saturation and not (full or bad or self._held_back)
@@ -220,21 +230,24 @@ class Knee(Windowed):
             w.tpot_p50 is not None and w.tpot_p50 > c.tpot_objective
         )
 
-    def _climbed(self, w: Summary, level: float) -> bool:
-        """The window after a rise measures the new level when the engine's counters show it
-        kept pace: in-flight filled the level at once and throughput grew from the highest
-        level measured with elasticity of at least 1/2; one that reads flat may be the
-        rise's burst of prefills, and the next window decides, as for any move."""
-        tput = w.engine_throughput
+    def _climbed(self, w: Summary) -> Summary | None:
+        """The window after a rise, read at its last scrape, when that shows the rise kept
+        pace: the engine filled the level and throughput grew from the highest level measured
+        with elasticity of at least 1/2. The window's means mix the scrapes from before the
+        rise (they come 1.5 s late) and its burst of prefills; one that reads flat even at
+        its last scrape may still be prefilling, and the next window decides, as for any
+        move. None: not such a window."""
         top = self._curve.highest()
-        if not (self._moved_up and self._curve.engine_mode and tput and top is not None):
-            return False
-        full = (w.engine_inflight or 0.0) >= 0.8 * w.max_inflight
-        if not full or w.saturated < self.cfg.saturation or level < self.cfg.pair * top.concurrency:
-            return False
-        if tput <= 0 or top.throughput <= 0:  # a counter that stood still or was reset
-            return False
-        return math.log(tput / top.throughput) >= 0.5 * math.log(level / top.concurrency)
+        if not (self._moved_up and self._curve.engine_mode and w.engine_last and top):
+            return None
+        level, tput = w.engine_last
+        if level < 0.8 * w.max_inflight or w.saturated < self.cfg.saturation:
+            return None
+        if level < self.cfg.pair * top.concurrency or tput <= 0 or top.throughput <= 0:
+            return None  # a counter that stood still or was reset
+        if math.log(tput / top.throughput) < 0.5 * math.log(level / top.concurrency):
+            return None
+        return replace(w, engine_inflight=level, engine_throughput=tput)
 
     def _grow(self, level: float) -> float:
         step = 1 + self.cfg.climb

@@ -35,10 +35,10 @@ the window's mean in-flight, four gateways ramping together each read 0.41-0.51 
 engine where they held 0.25, kept their initial 16 (64 against an engine that runs 46),
 and the engine queued 20 for 25 s: four-gateways read 0.830 / 0.863 / 0.890 of the oracle
 (seeds 7 / 1 / 2), 0.938 / 0.955 / 0.957 read at the scrapes' times. `alone()`: the share is
-at least 0.9 (1 on a gateway's own curve), so the KV edge and the token budget, which
-count only this gateway's requests, may act; alone, the target applies no share (a
-gateway alone read 0.95-0.99 while in-flight ramped between ticks, and bursts at seed 1
-lost 0.015). Pure: no clock, no I/O.
+at least 0.9 (1 on a gateway's own curve): the target, the KV edge and the token budget
+then apply no share (a gateway alone read 0.95-0.99 while in-flight ramped between ticks,
+and bursts at seed 1 lost 0.015); beside others each applies the share. Pure: no clock,
+no I/O.
 """
 
 from __future__ import annotations
@@ -128,8 +128,7 @@ class Share:
         self._mine = self._engine = 0.0
         if self.estimate is None or settled:
             self.estimate = blend(self.estimate, now, smoothing)
-        # alone, the share's noise is no news (a ramp between ticks reads 0.95-0.99): the
-        # KV edge and the token budget, which count this gateway's requests, act instead
+        # alone, the share's noise is no news (a ramp between ticks reads 0.95-0.99)
         return 1.0 if self.alone() else (self.estimate or now)
 
     def alone(self) -> bool:

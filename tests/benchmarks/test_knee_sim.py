@@ -45,8 +45,10 @@ def test_back_within_ten_percent_of_the_new_oracle_after_prompts_grow_4x() -> No
 def test_four_gateways_ramping_together_do_not_overfill_their_engine() -> None:
     # each starts at 16, 64 together against an engine that runs ~46: read side by side with
     # the scrapes of seconds before, each share read 0.4-0.5, none cut, and the engine queued
-    # 20 for 25 s (0.83 of the oracle over 180 s); read at the scrapes' times, 0.925 here
+    # 20 for 25 s (0.83 of the oracle over 180 s); read at the scrapes' times, 0.925 here;
+    # with each gateway's share of the KV edge and the token budget, 0.958 (alone, the
+    # share of 0.95 x the room held ~37 together where the best fixed limit is 40)
     sc = load_scenario("four-gateways").model_copy(update={"duration": 120.0})
     orc = oracle(sc, seed=7)
     mine = run(sc, "knee", seed=7)
-    assert goodput(mine, sc, sc.warmup, sc.duration) >= 0.9 * orc.goodput
+    assert goodput(mine, sc, sc.warmup, sc.duration) >= 0.95 * orc.goodput

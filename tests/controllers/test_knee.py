@@ -219,7 +219,35 @@ def engine_climb(ctl: Knee, windows: int, tput: Callable[[int], float]) -> list[
 def test_a_rise_the_engine_keeps_pace_with_is_measured_at_once() -> None:
     # the demo's ramp: each window after a rise filled the new level and still paid
     limits = engine_climb(make(initial=8), 5, lambda c: 25.0 * c)
-    assert limits == [16, 16, 32, 59, 110]  # one level per two windows: 16, 16, 32, 32, 64
+    # one level per two windows: 16, 16, 32, 32, 64; read at the rise's last scrape a linear
+    # engine reads linear (its window means mixed the baseline scrape from before the rise)
+    assert limits == [16, 16, 32, 64, 128]
+
+
+def test_a_rise_is_read_at_its_last_scrape_past_the_scrape_lag_and_the_prefills() -> None:
+    # H100, seed 7: the scrapes come 1.5 s late, so the window after the rise from 32 to 64
+    # held two scrapes from before it and one of its prefills; its mean read 45 in flight at
+    # 3300 tokens/s against 2956 at 32 (elasticity 0.33) and the climb waited a window
+    ctl, tokens = make(), 0.0
+
+    def engine(t: float, rows: list[tuple[int, float]]) -> None:
+        nonlocal tokens
+        for i, (running, tput) in enumerate(rows):
+            tokens += tput
+            ctl.on_engine_stats(scrape(t + i, running=running, kv=0.05, tokens=tokens))
+
+    t = 0.0
+    for c in (16, 32, 32):  # the start, the window of the first rise, then 32 measured
+        engine(t, [(c, 92.0 * c)] * 5)
+        t = window(ctl, t, c, 92.0 * c)
+    assert ctl.limit == 64
+    engine(t, [(32, 2956.0), (32, 2956.0), (63, 2509.0), (64, 4794.0)])
+    window(ctl, t, 64, 3300.0)
+    assert ctl.limit == 128  # 64 measured at once: 4794 at its last scrape, elasticity 0.70
+    assert [(round(p.concurrency), round(p.throughput)) for p in ctl._curve.points.values()] == [
+        (32, 2944),
+        (64, 4794),
+    ]
 
 
 def test_a_rise_that_reads_flat_waits_a_window() -> None:

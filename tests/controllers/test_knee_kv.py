@@ -139,3 +139,26 @@ def test_a_cache_holding_more_than_the_prompts_add_up_to_widens_the_budget() -> 
     # a learned capacity within its noise of the reported size leaves the reported size
     ctl.on_engine_stats(scrape(3.0, running=10, kv=0.5, capacity=2500))
     assert ctl.state()["token_budget"] == pytest.approx(0.95 * 2500)
+
+
+def test_beside_another_gateway_the_kv_edge_and_the_token_budget_are_its_share() -> None:
+    # this gateway holds 10 of the engine's 20: its share is 1/2 (four gateways each held
+    # the engine at 0.95 x its room by the share alone, and each floor lost half a request)
+    ctl = Knee(KneeConfig(initial=10, max_limit=40, window=5.0, probe_every=100))
+    t = 0.0
+    for _ in range(3):
+        for i in range(5):
+            ctl.on_engine_stats(scrape(t + i + 0.5, running=20, kv=0.5))
+        t = window(ctl, t, 10, 200.0, n=10)
+    for _ in range(200):
+        ctl.on_arrival(100)
+        ctl.on_admit(100)
+    assert ctl.limit == 19  # 0.95 x the room of 40 x 1/2
+    # 36 running fill a 5400-token cache: (0.98 - 1.0) x 5400 - 100 (an answer's growth)
+    # = -208 tokens free, two requests of 100 + 50 too many: 34 in the engine at the edge,
+    # this gateway's half of them 17 (before: the window's 19, the edge ignored)
+    ctl.on_engine_stats(scrape(t + 0.5, running=36, kv=1.0, capacity=5400))
+    assert ctl.limit == 17
+    # the budget: half of 0.95 x 5400 = 2565 tokens, each request 100 + 50 held
+    assert ctl.fits(16, 1600, 100)  # 1700 + 17 x 50 = 2550
+    assert not ctl.fits(17, 1700, 100)  # 1800 + 18 x 50 = 2700: every request fitted before

@@ -153,8 +153,8 @@ def test_a_climb_is_judged_only_from_throughput_that_was_measured(
     k = Knee(KneeConfig())
     k._moved_up, k._curve.engine_mode = True, True
     k._curve.points = {0: Point(4.0, top_tput, None, None, False, 0.0, True)}
-    w = summary(inflight=10.0, max_inflight=10, engine_inflight=10.0, engine_throughput=tput)
-    assert k._climbed(w, 10.0) is False
+    w = summary(inflight=10.0, max_inflight=10, engine_last=(10.0, tput))
+    assert k._climbed(w) is None
 
 
 def test_an_app_limited_window_does_not_lower_the_room() -> None:
