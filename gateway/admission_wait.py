@@ -130,11 +130,11 @@ class StandingQueue:
         `head_arrived_at`; None when it is empty) has waited longer than `target` for
         `STANDING` x target."""
         if head_arrived_at is None or now - head_arrived_at <= target:
-            self._short_at[name] = now
+            self.empty(name, now)
             return False
         return now - self._short_at.setdefault(name, now) > self.STANDING * target
 
     def empty(self, name: str, now: float) -> None:
-        """Class `name`'s queue is empty at `now`: `standing(name, None, ...)` without the
-        question (every head so far waited no longer than its target)."""
+        """Class `name`'s queue is empty at `now`, or its head has waited no longer than its
+        target: the standing time starts again (`standing(name, None, ...)`, unasked)."""
         self._short_at[name] = now

@@ -262,8 +262,7 @@ class Gate:
         self.metrics.count_finished(up.name, outcome, ttft, tpot, tokens)
         if tokens:
             permit.lane.output_tokens.inc(tokens)
-        if dispatched or self.queue.has_late:
-            self._woken(dispatched)
+        self._woken(dispatched)
 
     def _controller_error(self, up: UpstreamState, hook: str, exc: Exception) -> None:
         """What a controller raised in `hook`: logged once per (upstream, hook), counted."""
