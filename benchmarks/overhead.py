@@ -25,6 +25,10 @@ CPU time hardly depends on how busy the machine is, unlike the latency columns, 
 
 `--granian` adds kneegate's own app under granian (a Rust HTTP server for Python apps), the
 ASGI server issue 16 asked to measure against uvicorn's request cycle: `kg-granian` rows.
+`--floor` adds uvicorn with nothing behind it (`benchmarks.asgi_floor`: a plain ASGI app
+answering the same stream itself, no upstream): `uvicorn-floor` rows, the least any app
+under uvicorn can cost per request. Its "x direct" compares a server with a relay, so read
+its `us/req` and `us/ev`.
 """
 
 from __future__ import annotations
@@ -188,6 +192,21 @@ def _granian(up_port: int) -> Iterator[tuple[int, int]]:
 
 
 @contextlib.contextmanager
+def _floor(shape: str) -> Iterator[tuple[int, int]]:
+    """uvicorn alone (`benchmarks.asgi_floor`) answering the shape's stream itself, on the
+    proxy's core, as kneegate's uvicorn is run; yields its port and pid."""
+    events, interval = SHAPES[shape]
+    port = _free_port()
+    cmd = [*_pin(PROXY_CORES), sys.executable, "-m", "uvicorn", "--loop", "uvloop",
+           "--http", "httptools", "--no-access-log", "--log-level", "warning",
+           "--host", "127.0.0.1", "--port", str(port), "kneegate.benchmarks.asgi_floor:app"]
+    env = {**os.environ, "KNEEGATE_FLOOR_EVENTS": str(events),
+           "KNEEGATE_FLOOR_INTERVAL": str(interval)}
+    with _process(cmd, f"http://127.0.0.1:{port}/health", env) as proc:
+        yield port, proc.pid
+
+
+@contextlib.contextmanager
 def _nginx(up_port: int) -> Iterator[tuple[int, int]]:
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,8 +242,8 @@ def _cell(target: str, shape: str, conc: int, port: int, seconds: float,
 
 
 def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
-               workers_at: int | None, lockstep: bool = False, granian: bool = False
-               ) -> list[Cell]:
+               workers_at: int | None, lockstep: bool = False, granian: bool = False,
+               floor: bool = False) -> list[Cell]:
     cells: list[Cell] = []
     have_nginx = shutil.which("nginx") is not None
     for shape in shapes:
@@ -241,6 +260,10 @@ def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
                     if granian:
                         with _granian(up) as (gp, pid):
                             cells.append(_cell("kg-granian", shape, conc, gp, seconds, pid,
+                                               lockstep))
+                    if floor:
+                        with _floor(shape) as (fp, pid):
+                            cells.append(_cell("uvicorn-floor", shape, conc, fp, seconds, pid,
                                                lockstep))
                     if have_nginx:
                         with _nginx(up) as (np_, pid):
@@ -310,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--granian", action="store_true",
                    help="also run kneegate's app under granian, another ASGI server "
                         "(`pip install granian`), beside uvicorn")
+    p.add_argument("--floor", action="store_true",
+                   help="also run uvicorn alone answering the stream itself (uvicorn-floor)")
     p.add_argument("--lockstep", action="store_true",
                    help="start every worker at once (waves; the method before 2026-11-30)")
     args = p.parse_args(argv)
@@ -320,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cpus={os.cpu_count()} client+upstream on core {CLIENT_CORE}, proxy on core "
           f"{PROXY_CORES}; {args.seconds:g}s per cell, {args.repeat} round(s), medians")
     cells = run_matrix(shapes, concs, args.seconds, args.repeat, args.workers_at or None,
-                       args.lockstep, args.granian)
+                       args.lockstep, args.granian, args.floor)
     rows = print_table(cells)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

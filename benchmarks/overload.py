@@ -52,6 +52,8 @@ columns follow the measured users to their end. Columns:
   TTFT p50/p99  from send, of the measured users who got a first token
   gave up    measured users with no first token after `--give-up` s
   errors     measured users with a transport error, a cut stream, or past `--request-timeout`
+  limit, in flight  the gateway's, medians of its /metrics read every 0.5 s of the measured
+             window (kneegate arms; the JSON also has the knee estimate's, `knee_p50`)
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import random
 import shlex
 import statistics
@@ -72,12 +75,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
 from kneegate.benchmarks.overhead import _free_port, _process
 from kneegate.benchmarks.sweep import run_sweep
 
-__all__ = ["Arm", "Record", "main", "parse_arms", "run", "summarize", "valve_sizes"]
+__all__ = ["Arm", "Record", "gateway_medians", "main", "parse_arms", "run", "summarize",
+           "valve_sizes"]
 
 ARMS = ("direct", "valve", "kneegate", "kneegate-w2", "kneegate-fixed")
 _STARTUP_S = 10.0  # what the table's time bound allows per cell to start and stop processes
@@ -174,11 +179,36 @@ class _Client:
             rec.error = "cut"
 
 
+_WATCHED = ("kneegate_limit", "kneegate_in_flight", "kneegate_knee_estimate")
+
+
+async def _watch_gateway(session: aiohttp.ClientSession, url: str, start: float, end: float,
+                         into: dict[str, list[float]]) -> None:
+    """Read the gateway's limit, in-flight and knee estimate (summed over its upstreams)
+    every 0.5 s of the measured window, into `into` by metric name; a failed read is
+    skipped (with `--workers 2`, each read is one worker's)."""
+    while (now := time.monotonic()) < end:
+        if now >= start:
+            try:
+                async with session.get(url.rstrip("/") + "/metrics") as resp:
+                    text = await resp.text()
+            except (aiohttp.ClientError, OSError):
+                text = ""
+            for fam in text_string_to_metric_families(text):
+                if fam.name in _WATCHED:
+                    values = [s.value for s in fam.samples if math.isfinite(s.value)]
+                    if values:
+                        into.setdefault(fam.name, []).append(sum(values))
+        await asyncio.sleep(0.5 if now >= start else min(0.5, start - now))
+
+
 async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
-                   users: list[Record] | None = None) -> list[Record]:
+                   users: list[Record] | None = None,
+                   watched: dict[str, list[float]] | None = None) -> list[Record]:
     """Poisson arrivals at `rate`; the records of every user sent (`measured` marks those
     sent in the measured window), appended to `users` as they are sent when given (a
-    caller may watch it).
+    caller may watch it). With `watched`, `url` is a gateway whose limit, in-flight and
+    knee estimate are read into it through the measured window (`_watch_gateway`).
 
     Arrivals: `warmup` s unmeasured, `seconds` s measured, then unmeasured until every
     measured user has ended or `request_timeout` s have passed. Bounded in count and time.
@@ -203,6 +233,8 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
         hard_end = end + args.request_timeout
         max_sent = int(rate * (args.warmup + args.seconds + args.request_timeout) * 2) + 100
         next_at, sent = t0, 0
+        watcher = (None if watched is None else
+                   asyncio.create_task(_watch_gateway(session, url, start, end, watched)))
         while sent < max_sent:
             now = time.monotonic()
             if now >= hard_end or (now >= end and pending == 0):
@@ -222,6 +254,8 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
                 task.add_done_callback(ended)
             sent += 1
             next_at += rng.expovariate(rate)
+        if watcher is not None:
+            tasks.add(watcher)
         for task in list(tasks):  # unmeasured users still waiting, or measured ones past time
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -267,6 +301,16 @@ def summarize(users: list[Record], seconds: float, capacity_tok_s: float,
     }
 
 
+def gateway_medians(watched: dict[str, list[float]]) -> dict[str, float | None]:
+    """The medians of what `_watch_gateway` read: limit_p50, in_flight_p50, knee_p50."""
+    def med(name: str) -> float | None:
+        values = watched.get(name)
+        return statistics.median(values) if values else None
+
+    return {"limit_p50": med("kneegate_limit"), "in_flight_p50": med("kneegate_in_flight"),
+            "knee_p50": med("kneegate_knee_estimate")}
+
+
 def parse_keys(text: str | None) -> dict[str, float]:
     """`heavy:8,light:1` -> {"heavy": 8.0, "light": 1.0}: API keys and their shares."""
     out: dict[str, float] = {}
@@ -308,7 +352,7 @@ def _ms(x: float | None) -> float | None:
 
 _COLS = (f"{'arm':<16}{'load':>5}{'offered':>9}{'goodput':>9}{'/cap':>6}{'done tok/s':>11}"
          f"{'rejected':>9}{'rej p99 ms':>11}{'TTFT p50':>9}{'TTFT p99':>9}{'gave up':>8}"
-         f"{'errors':>7}")
+         f"{'errors':>7}{'limit':>7}{'in flight':>10}")
 
 
 def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
@@ -319,7 +363,8 @@ def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
             f"{f(s['goodput_over_capacity'], '.2f'):>6}{s['completed_tok_s']:>11.0f}"
             f"{s['rejected']:>9d}{f(s['rejection_p99_ms'], '.0f'):>11}"
             f"{f(s['ttft_p50_ms'], '.0f'):>9}{f(s['ttft_p99_ms'], '.0f'):>9}"
-            f"{s['gave_up']:>8d}{s['errors']:>7d}")
+            f"{s['gave_up']:>8d}{s['errors']:>7d}"
+            f"{f(s.get('limit_p50'), '.0f'):>7}{f(s.get('in_flight_p50'), '.0f'):>10}")
 
 
 # -- arms and processes --------------------------------------------------------------------
@@ -489,9 +534,13 @@ def _run(args: argparse.Namespace) -> Report:
     for load in loads:
         rate = load * rep.capacity_rps
         for arm in arms:
+            watched: dict[str, list[float]] | None = (
+                None if arm.gateway_flags is None else {})
             with _serving(arm, args.profile, args.upstream, args.start_vllm) as url:
-                recs = asyncio.run(run_cell(url, rate, args, seed=args.seed + int(load * 1000)))
+                recs = asyncio.run(run_cell(url, rate, args, seed=args.seed + int(load * 1000),
+                                            watched=watched))
             s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective)
+            s.update(gateway_medians(watched or {}))
             keys = per_key(recs, args.seconds, args.max_tokens, args.objective)
             rep.rows.append({"arm": arm.name, "load": load, "offered_rps": rate,
                              "sent_rps": s["users"] / args.seconds, **s,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-__all__ = ["LoadResult", "SseUpstream", "cpu_seconds", "run_load", "serve"]
+__all__ = ["LoadResult", "SseUpstream", "cpu_seconds", "event_payload", "run_load", "serve"]
 
 _HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -37,14 +37,19 @@ def _chunk(payload: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(payload), payload)
 
 
-def _event(i: int) -> bytes:
+def event_payload(i: int) -> bytes:
+    """The i-th SSE event the upstream sends, before HTTP's chunked framing."""
     body = {
         "id": "cmpl-bench",
         "object": "text_completion",
         "model": "bench",
         "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None, "finish_reason": None}],
     }
-    return _chunk(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _event(i: int) -> bytes:
+    return _chunk(event_payload(i))
 
 
 class SseUpstream(asyncio.Protocol):
