@@ -27,8 +27,8 @@ CPU time hardly depends on how busy the machine is, unlike the latency columns, 
 ASGI server issue 16 asked to measure against uvicorn's request cycle: `kg-granian` rows.
 `--floor` adds uvicorn with nothing behind it (`benchmarks.asgi_floor`: a plain ASGI app
 answering the same stream itself, no upstream): `uvicorn-floor` rows, the least any app
-under uvicorn can cost per request. Its "x direct" compares a server with a relay, so read
-its `us/req` and `us/ev`.
+under uvicorn can cost per request (with `--granian` too, `granian-floor`). Their "x direct"
+compares a server with a relay, so read their `us/req`.
 """
 
 from __future__ import annotations
@@ -176,15 +176,17 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+_GRANIAN_FLAGS = ("--interface", "asgi", "--loop", "uvloop", "--workers", "1", "--runtime-mode",
+                  "st", "--no-ws", "--http", "1", "--host", "127.0.0.1", "--log-level", "warning")
+
+
 @contextlib.contextmanager
 def _granian(up_port: int) -> Iterator[tuple[int, int]]:
     """kneegate's app (`benchmarks.asgi_app`) under granian, one worker on the proxy's core;
     yields its port and its worker's pid (granian's main process only supervises)."""
     port = _free_port()
-    cmd = [*_pin(PROXY_CORES), sys.executable, "-m", "granian", "--interface", "asgi",
-           "--loop", "uvloop", "--workers", "1", "--runtime-mode", "st", "--no-ws",
-           "--http", "1", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-           "kneegate.benchmarks.asgi_app:app"]
+    cmd = [*_pin(PROXY_CORES), sys.executable, "-m", "granian", *_GRANIAN_FLAGS,
+           "--port", str(port), "kneegate.benchmarks.asgi_app:app"]
     env = {**os.environ, "KNEEGATE_BENCH_UPSTREAM": f"http://127.0.0.1:{up_port}"}
     with _process(cmd, f"http://127.0.0.1:{port}/health", env) as proc:
         workers = _children(proc.pid)
@@ -192,18 +194,25 @@ def _granian(up_port: int) -> Iterator[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _floor(shape: str) -> Iterator[tuple[int, int]]:
-    """uvicorn alone (`benchmarks.asgi_floor`) answering the shape's stream itself, on the
-    proxy's core, as kneegate's uvicorn is run; yields its port and pid."""
+def _floor(shape: str, server: str = "uvicorn") -> Iterator[tuple[int, int]]:
+    """An ASGI server alone (`benchmarks.asgi_floor`) answering the shape's stream itself, on
+    the proxy's core, run as kneegate's uvicorn (or `_granian`) is; yields its port and the
+    pid that does the work."""
     events, interval = SHAPES[shape]
     port = _free_port()
-    cmd = [*_pin(PROXY_CORES), sys.executable, "-m", "uvicorn", "--loop", "uvloop",
-           "--http", "httptools", "--no-access-log", "--log-level", "warning",
-           "--host", "127.0.0.1", "--port", str(port), "kneegate.benchmarks.asgi_floor:app"]
+    app = "kneegate.benchmarks.asgi_floor:app"
+    if server == "uvicorn":
+        cmd = [*_pin(PROXY_CORES), sys.executable, "-m", "uvicorn", "--loop", "uvloop",
+               "--http", "httptools", "--no-access-log", "--log-level", "warning",
+               "--host", "127.0.0.1", "--port", str(port), app]
+    else:
+        cmd = [*_pin(PROXY_CORES), sys.executable, "-m", "granian", *_GRANIAN_FLAGS,
+               "--port", str(port), app]
     env = {**os.environ, "KNEEGATE_FLOOR_EVENTS": str(events),
            "KNEEGATE_FLOOR_INTERVAL": str(interval)}
     with _process(cmd, f"http://127.0.0.1:{port}/health", env) as proc:
-        yield port, proc.pid
+        workers = _children(proc.pid) if server == "granian" else []
+        yield port, (workers[-1] if workers else proc.pid)
 
 
 @contextlib.contextmanager
@@ -261,10 +270,12 @@ def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
                         with _granian(up) as (gp, pid):
                             cells.append(_cell("kg-granian", shape, conc, gp, seconds, pid,
                                                lockstep))
-                    if floor:
-                        with _floor(shape) as (fp, pid):
-                            cells.append(_cell("uvicorn-floor", shape, conc, fp, seconds, pid,
-                                               lockstep))
+                    for server in ("uvicorn", "granian") if floor else ():
+                        if server == "granian" and not granian:
+                            continue
+                        with _floor(shape, server) as (fp, pid):
+                            cells.append(_cell(f"{server}-floor", shape, conc, fp, seconds,
+                                               pid, lockstep))
                     if have_nginx:
                         with _nginx(up) as (np_, pid):
                             cells.append(_cell("nginx", shape, conc, np_, seconds, pid, lockstep))
@@ -289,7 +300,7 @@ def _ratio(a: float, b: float) -> float:
 def print_table(cells: list[Cell]) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     keys = sorted({(c.shape, c.concurrency) for c in cells}, key=lambda k: (k[0], k[1]))
-    hdr = (f"{'shape':<10}{'conc':>6} {'target':<12}{'req/s':>9}{'events/s':>10}"
+    hdr = (f"{'shape':<10}{'conc':>6} {'target':<14}{'req/s':>9}{'events/s':>10}"
            f"{'ttft p50':>10}{'ttft p99':>10}{'+p50 ms':>9}{'+p99 ms':>9}{'cpu':>6}"
            f"{'us/req':>8}{'us/ev':>7}{'x direct':>9}{'x nginx':>9}")
     print(hdr)
@@ -310,7 +321,7 @@ def print_table(cells: list[Cell]) -> list[dict[str, object]]:
                         added_p99_ms=nums["ttft_p99_ms"] - d99)
             row.update(nums, shape=shape, concurrency=conc, target=target, runs=len(cs))
             rows.append(row)
-            print(f"{shape:<10}{conc:>6} {target:<12}{nums['rps']:>9.1f}{nums['eps']:>10.0f}"
+            print(f"{shape:<10}{conc:>6} {target:<14}{nums['rps']:>9.1f}{nums['eps']:>10.0f}"
                   f"{nums['ttft_p50_ms']:>10.1f}{nums['ttft_p99_ms']:>10.1f}"
                   f"{nums['added_p50_ms']:>9.1f}{nums['added_p99_ms']:>9.1f}"
                   f"{nums['proxy_cpu']:>6.2f}{nums['cpu_us_req']:>8.1f}"

@@ -46,6 +46,11 @@ columns follow the measured users to their end. Columns:
   goodput    output tokens/s received by users whose first token reached them within
              `--objective` (2) s of sending
   /cap       goodput / capacity (capacity x max tokens, tokens/s)
+  /direct    goodput / the direct arm's done tok/s at the same load (when `direct` ran
+             first): what this engine completed, under this client, with every request
+             offered to it; at 1.5x, the tokens that could be served (the closed-loop
+             capacity is measured without the gateway's and this client's CPU beside the
+             emulator on these 2 cores)
   done tok/s output tokens/s received by users whose answer completed ([DONE])
   rejected   measured users answered other than 200 (never retried); rej p99 ms: their time
              from send to the status line
@@ -350,7 +355,8 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1e3
 
 
-_COLS = (f"{'arm':<16}{'load':>5}{'offered':>9}{'goodput':>9}{'/cap':>6}{'done tok/s':>11}"
+_COLS = (f"{'arm':<16}{'load':>5}{'offered':>9}{'goodput':>9}{'/cap':>6}{'/direct':>8}"
+         f"{'done tok/s':>11}"
          f"{'rejected':>9}{'rej p99 ms':>11}{'TTFT p50':>9}{'TTFT p99':>9}{'gave up':>8}"
          f"{'errors':>7}{'limit':>7}{'in flight':>10}")
 
@@ -360,7 +366,8 @@ def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
         return "-" if x is None else format(x, spec)
 
     return (f"{arm:<16}{load:>5g}{offered:>9.1f}{s['goodput_tok_s']:>9.0f}"
-            f"{f(s['goodput_over_capacity'], '.2f'):>6}{s['completed_tok_s']:>11.0f}"
+            f"{f(s['goodput_over_capacity'], '.2f'):>6}"
+            f"{f(s.get('goodput_over_direct_done'), '.2f'):>8}{s['completed_tok_s']:>11.0f}"
             f"{s['rejected']:>9d}{f(s['rejection_p99_ms'], '.0f'):>11}"
             f"{f(s['ttft_p50_ms'], '.0f'):>9}{f(s['ttft_p99_ms'], '.0f'):>9}"
             f"{s['gave_up']:>8d}{s['errors']:>7d}"
@@ -533,6 +540,7 @@ def _run(args: argparse.Namespace) -> Report:
     print(_COLS, flush=True)
     for load in loads:
         rate = load * rep.capacity_rps
+        direct_done: float | None = None  # the direct arm's completed tok/s at this load
         for arm in arms:
             watched: dict[str, list[float]] | None = (
                 None if arm.gateway_flags is None else {})
@@ -541,6 +549,10 @@ def _run(args: argparse.Namespace) -> Report:
                                             watched=watched))
             s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective)
             s.update(gateway_medians(watched or {}))
+            if arm.name == "direct":
+                direct_done = s["completed_tok_s"]
+            s["goodput_over_direct_done"] = (
+                s["goodput_tok_s"] / direct_done if direct_done else None)
             keys = per_key(recs, args.seconds, args.max_tokens, args.objective)
             rep.rows.append({"arm": arm.name, "load": load, "offered_rps": rate,
                              "sent_rps": s["users"] / args.seconds, **s,

@@ -21,3 +21,20 @@ def test_the_stand_in_is_kneegates_app_with_the_benchmarks_flags(
     assert up.url == "http://127.0.0.1:45678"
     assert up.controller == "fixed" and up.params["initial"] == 100000
     assert cfg.server.access_log is False
+
+
+@pytest.mark.anyio
+async def test_the_floor_answers_the_stream_the_benchmarks_upstream_sends() -> None:
+    """`benchmarks.overhead --floor` compares like with like: uvicorn's stock HTTP protocol
+    serving, by itself, the same events the relay carries."""
+    import httpx
+
+    from kneegate.benchmarks.asgi_floor import app
+    from kneegate.benchmarks.rawhttp import event_payload
+    from kneegate.gateway.server import serving
+
+    async with serving(app, http="httptools") as url, httpx.AsyncClient() as client:
+        assert (await client.get(url + "/health")).status_code == 200
+        r = await client.post(url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+    assert r.content == b"".join(event_payload(i) for i in range(16)) + b"data: [DONE]\n\n"

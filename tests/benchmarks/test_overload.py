@@ -185,3 +185,9 @@ def test_the_benchmark_in_miniature(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert [(r["arm"], r["load"]) for r in data["rows"]] == [("direct", 3.0),
                                                              ("kneegate-fixed", 3.0)]
     assert all(r["users"] > 0 for r in data["rows"])
+    direct, gated = data["rows"]
+    # the gateway's own gauge, read over the window; the engine alone has none
+    assert gated["limit_p50"] == 16 and direct["limit_p50"] is None
+    assert 0 <= gated["in_flight_p50"] <= 16
+    assert gated["goodput_over_direct_done"] == pytest.approx(
+        gated["goodput_tok_s"] / direct["completed_tok_s"])
