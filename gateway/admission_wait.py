@@ -30,6 +30,18 @@ four-gateways 0.82 -> 0.83 (p99 1.5 -> 0.5 s), capacity-drop 1.07 -> 1.07 -> 1.0
 0.98 -> 0.98 -> 0.97, bursts 0.87 -> 0.87 -> 0.81; newest-first also leaves the oldest to
 wait out their objective before their 503, where CoDel answers them at the target. An
 interval of 2 / 3 / 8 targets read about the same (prompt-growth 1.63 / 1.59 / 1.56).
+
+Tried and dropped: re-judging the queue when a limit cut leaves more in flight than the new
+limit (that excess must finish before any queued request starts). Two parts were tried: the
+excess counted in an arrival's predicted wait, and, at each tick, the queued requests that
+could no longer start before they were due refused at once (429). On the wall clock this
+targets `knee`'s probe on the emulator at 3x, 32 -> 63 -> 35: at 18 completions a second the
+cut stalls the queue for 1.5 s. In the simulator, though, `knee` cuts for about a second
+when prompts grow (40 -> 12 -> 40 at 61 s, seed 7). Requests refused in that second would
+have been served. Prompt-growth over seeds 1-7, goodput / oracle, mean 1.61 -> 1.59
+(refusals at the tick only; with the arrival's prediction too, seed 7 read 1.595 -> 1.539).
+Its time to settle went past 15 s at 2 of 7 seeds instead of 1. The excess was read from the
+instant's limit, which a controller may take back.
 """
 
 from __future__ import annotations
