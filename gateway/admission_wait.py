@@ -4,11 +4,24 @@ Pure, like the queue that uses them (`gateway.admission`): no clock, time comes 
 
     CompletionRate  completions per busy second: an EWMA, debiased, idle time skipped
     WaitEstimate    queue_wait(ahead) = (ahead + 1) / the completion rate (None until warm);
+                    duration, the mean dispatch to the end of an answer (an EWMA);
                     engine_ttft, the engine's recent TTFT, dispatch to first token (the first
                     one taken whole, then an EWMA of weight 0.1 per first token);
                     budget = queue_budget x (objective - engine_ttft)
     StandingQueue   the safety net: a class's queue stands once every head has waited
                     longer than its target (the budget) for STANDING (4) targets in a row
+
+No wait is predicted shorter than the oldest request in flight has left to run at the mean
+duration (`AdmissionQueue._first_free`, from `WaitEstimate.duration`): answers of one length
+started together end together, and the rate, an average, promises a slot within 1 / rate
+while none frees until that wave ends. On the emulator at 3x (`python -m
+kneegate.benchmarks.overload --arms kneegate --loads 3 --seconds 30`, answers of 64 tokens),
+48-64 answers ended in one second and none in the next one or two; requests queued after a
+wave left were answered 503 after 1.4-1.5 s. That happened in 7 of 12 runs of builds with
+knee12b's changes and in none of 7 with this bound (rejection p99 5-31 ms). The simulator's
+answers vary in length, so this bound moved little there. At seed 7: cpu-tiny-3x 0.979 ->
+0.958 alone (0.983 with knee12b), small-kv-decline 1.009 -> 0.982, cpu-tiny-10x 0.973 ->
+0.981; the other scenarios within 0.003.
 
 The budget is the wait `AdmissionQueue.offer` admits against: a request whose predicted
 queue wait is over it is refused at once (429 `over_objective`). Why a quarter of the
@@ -107,6 +120,7 @@ class WaitEstimate:
     completions: CompletionRate = field(default_factory=CompletionRate)
     engine_ttft: float = field(default=0.0, init=False)  # EWMA, dispatch to first token
     _ttft_seen: int = field(default=0, init=False)
+    duration: float | None = field(default=None, init=False)  # EWMA, dispatch to the end
     _TTFT_WEIGHT: ClassVar[float] = 0.1  # of one first token in `engine_ttft`
 
     def queue_wait(self, ahead: int) -> float | None:
@@ -115,6 +129,11 @@ class WaitEstimate:
         measured (then nothing is refused for its objective)."""
         rate = self.completions.per_second
         return (ahead + 1) / rate if rate > 0 else None
+
+    def note_duration(self, seconds: float) -> None:
+        """A request ended well `seconds` after dispatch (same weight as the TTFT's)."""
+        d = self.duration
+        self.duration = seconds if d is None else d + self._TTFT_WEIGHT * (seconds - d)
 
     def note_ttft(self, seconds: float) -> None:
         """A first token came `seconds` after dispatch: the engine's part of the wait."""

@@ -192,6 +192,23 @@ def test_a_request_that_cannot_meet_its_objective_is_told_at_once() -> None:
     assert q.depth() == 7
 
 
+def test_no_wait_is_predicted_shorter_than_the_oldest_answers_time_left() -> None:
+    # 4 completions/s, answers 1 s long, engine TTFT 0.25 s. Four answers start together at
+    # `now` (a wave): no slot frees before now + 1, whatever the rate says (0.25 s). With a
+    # 0.9 s objective the queue may hold 0.65 s: refused then, queued once the wave is old.
+    ups = pool(4)
+    q = AdmissionQueue(ups, OBJ, max_queue=64)
+    now = _warm(q, 4.0)
+    for _ in range(10):
+        q.note_sample(ups[0], make_sample(duration=1.0, ttft=0.25))
+    assert all(isinstance(q.offer(Ticket("chat", now), now), Admitted) for _ in range(4))
+    early = q.offer(Ticket("chat", now, ttft_objective=0.9), now)
+    assert isinstance(early, Rejected) and early.reason is RejectReason.OVER_OBJECTIVE
+    assert early.retry_after == 1  # ceil(1.0 - 0.65)
+    later = now + 0.9  # the wave has 0.1 s left: the rate's 0.25 s holds again
+    assert q.offer(Ticket("chat", later, ttft_objective=0.9), later) == Queued(0)
+
+
 def test_by_default_the_queue_may_hold_a_quarter_of_the_objective() -> None:
     # the same 4/s and 0.25 s engine TTFT: a quarter of 2 - 0.25 is 0.4375 s of queue, so one
     # may wait (0.25 s predicted), the next (0.5 s) is refused, Retry-After ceil(0.0625) = 1

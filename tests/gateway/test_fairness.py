@@ -187,7 +187,7 @@ def test_over_the_objective_the_heavy_tenants_newest_is_told_at_once() -> None:
     held = ticket(A, 0.0)
     q.offer(held, 0.0)
     for i in range(1, 5):  # a completion every 0.25 s, each first token 0.5 s after dispatch
-        q.release(held, 0.25 * i, make_sample(ttft=0.5, output_tokens=5))
+        q.release(held, 0.25 * i, make_sample(duration=0.25, ttft=0.5, output_tokens=5))
         held = ticket(A, 0.25 * i)
         assert isinstance(q.offer(held, 0.25 * i), Admitted)
     assert q.completion_rate == pytest.approx(4.0) and q.engine_ttft == 0.5
