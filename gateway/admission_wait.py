@@ -15,13 +15,14 @@ No wait is predicted shorter than the oldest request in flight has left to run a
 duration (`AdmissionQueue._first_free`, from `WaitEstimate.duration`): answers of one length
 started together end together, and the rate, an average, promises a slot within 1 / rate
 while none frees until that wave ends. On the emulator at 3x (`python -m
-kneegate.benchmarks.overload --arms kneegate --loads 3 --seconds 30`, answers of 64 tokens),
-48-64 answers ended in one second and none in the next one or two; requests queued after a
+kneegate.benchmarks.overload --arms kneegate --loads 3 --seconds 30`, answers of 64 tokens)
+48-64 answers ended in one second and none in the next one or two. Requests queued after a
 wave left were answered 503 after 1.4-1.5 s. That happened in 7 of 12 runs of builds with
-knee12b's changes and in none of 7 with this bound (rejection p99 5-31 ms). The simulator's
-answers vary in length, so this bound moved little there. At seed 7: cpu-tiny-3x 0.979 ->
-0.958 alone (0.983 with knee12b), small-kv-decline 1.009 -> 0.982, cpu-tiny-10x 0.973 ->
-0.981; the other scenarios within 0.003.
+the later changes of the `knee12b` branch (not merged), and in none of 4 of that branch with
+this bound, nor in 3 of main with it (rejection p99 5-31 ms). The simulator's answers vary
+in length, so the bound moves little there: seeds 1 and 2 unchanged in every scenario; at
+seed 7 cpu-tiny-3x 0.979 -> 0.958, small-kv-decline 1.009 -> 0.982, cpu-tiny-10x 0.973 ->
+0.981, the others within 0.003 (suite total 14.58 -> 14.55).
 
 The budget is the wait `AdmissionQueue.offer` admits against: a request whose predicted
 queue wait is over it is refused at once (429 `over_objective`). Why a quarter of the
