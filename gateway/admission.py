@@ -265,7 +265,13 @@ class AdmissionQueue:
         d = self._wait.duration
         if d is None or not self._flying:
             return 0.0
-        return max(0.0, next(iter(self._flying)).dispatched_at + d - now)  # type: ignore[operator]
+        at = next(iter(self._flying)).dispatched_at
+        return 0.0 if at is None else max(0.0, at + d - now)
+
+    @property
+    def flying(self) -> int:
+        """Dispatched tickets not yet released, freed or rerouted (= the upstreams' in-flight)."""
+        return len(self._flying)
 
     def _over_quota(self, ticket: Ticket, now: float) -> Rejected | None:
         """429 `tenant_quota` when `ticket`'s tenant is at one of its own caps."""

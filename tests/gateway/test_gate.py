@@ -65,6 +65,8 @@ def conserved(gate: Gate) -> None:
     assert received == admitted + s("kneegate_requests_shed_total") + s(
         "kneegate_requests_queue_timeout_total") + s("kneegate_queue_depth")
     assert admitted == s("kneegate_requests_finished_total") + s("kneegate_in_flight")
+    # the queue's record of what is in flight (its wait bound) loses and keeps nothing
+    assert gate.queue.flying == sum(u.inflight for u in gate.queue.upstreams)
 
 
 def sample(outcome: Outcome = Outcome.OK) -> Sample:
