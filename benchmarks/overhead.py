@@ -255,6 +255,7 @@ def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
                floor: bool = False) -> list[Cell]:
     cells: list[Cell] = []
     have_nginx = shutil.which("nginx") is not None
+    floors = ([] if not floor else ["uvicorn", "granian"] if granian else ["uvicorn"])
     for shape in shapes:
         for conc in concs:
             for _ in range(repeat):
@@ -270,9 +271,7 @@ def run_matrix(shapes: list[str], concs: list[int], seconds: float, repeat: int,
                         with _granian(up) as (gp, pid):
                             cells.append(_cell("kg-granian", shape, conc, gp, seconds, pid,
                                                lockstep))
-                    for server in ("uvicorn", "granian") if floor else ():
-                        if server == "granian" and not granian:
-                            continue
+                    for server in floors:
                         with _floor(shape, server) as (fp, pid):
                             cells.append(_cell(f"{server}-floor", shape, conc, fp, seconds,
                                                pid, lockstep))

@@ -86,8 +86,8 @@ from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
 from kneegate.benchmarks.overhead import _free_port, _process
 from kneegate.benchmarks.sweep import run_sweep
 
-__all__ = ["Arm", "Record", "gateway_medians", "main", "parse_arms", "run", "summarize",
-           "valve_sizes"]
+__all__ = ["Arm", "Record", "gateway_medians", "main", "metric_totals", "parse_arms", "run",
+           "summarize", "valve_sizes"]
 
 ARMS = ("direct", "valve", "kneegate", "kneegate-w2", "kneegate-fixed")
 _STARTUP_S = 10.0  # what the table's time bound allows per cell to start and stop processes
@@ -196,14 +196,13 @@ async def _watch_gateway(session: aiohttp.ClientSession, url: str, start: float,
         if now >= start:
             try:
                 async with session.get(url.rstrip("/") + "/metrics") as resp:
-                    text = await resp.text()
+                    totals = metric_totals(await resp.text())
             except (aiohttp.ClientError, OSError):
-                text = ""
-            for fam in text_string_to_metric_families(text):
-                if fam.name in _WATCHED:
-                    values = [s.value for s in fam.samples if math.isfinite(s.value)]
-                    if values:
-                        into.setdefault(fam.name, []).append(sum(values))
+                totals = {}
+            for name in _WATCHED:
+                value = totals.get(name, math.nan)  # NaN: no knee estimate yet
+                if math.isfinite(value):
+                    into.setdefault(name, []).append(value)
         await asyncio.sleep(0.5 if now >= start else min(0.5, start - now))
 
 
@@ -304,6 +303,15 @@ def summarize(users: list[Record], seconds: float, capacity_tok_s: float,
         "gave_up": sum(r.gave_up for r in recs),
         "errors": sum(r.error is not None for r in recs),
     }
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """A Prometheus text exposition's samples, summed over their labels, by sample name."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
 
 
 def gateway_medians(watched: dict[str, list[float]]) -> dict[str, float | None]:

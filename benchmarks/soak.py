@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
 from kneegate.benchmarks.overhead import _free_port, _process
+from kneegate.benchmarks.overload import metric_totals
 
 __all__ = ["SoakResult", "main", "run_soak"]
 
@@ -67,14 +67,6 @@ def _rss_kib(pid: int) -> int:
 
 def _fds(pid: int) -> int:
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))
-
-
-def _totals(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 def identity_errors(m: dict[str, float]) -> list[str]:
@@ -148,7 +140,7 @@ async def _watch(session: aiohttp.ClientSession, base: str, pid: int, res: SoakR
     next_sample = 0.0
     while not stop.is_set():
         async with session.get(base + "/metrics") as r:
-            m = _totals(await r.text())
+            m = metric_totals(await r.text())
         res.scrapes += 1
         res.violations += [f"t={time.monotonic() - t0:.0f}s {e}" for e in identity_errors(m)]
         elapsed = time.monotonic() - t0
@@ -163,7 +155,7 @@ async def _drain(session: aiohttp.ClientSession, base: str) -> float:
     deadline = time.monotonic() + _FINISHED_LIMIT
     while True:
         async with session.get(base + "/metrics") as r:
-            inflight = _totals(await r.text()).get("kneegate_in_flight", 0.0)
+            inflight = metric_totals(await r.text()).get("kneegate_in_flight", 0.0)
         if inflight == 0 or time.monotonic() > deadline:
             return inflight
         await asyncio.sleep(0.2)

@@ -308,8 +308,7 @@ class AdmissionQueue:
         to its tenant are charged now."""
         up = ticket.upstream
         assert up is not None, "only a dispatched ticket can be released"
-        up.free(ticket.tokens)
-        self._flying.pop(ticket, None)
+        self._unplace(ticket, up)
         output = sample.output_tokens if sample is not None else None
         self._charge_tokens(ticket, (output or 0) - ticket.output_charged, now)
         self._queues[ticket.cls].released(ticket, output)
@@ -374,8 +373,7 @@ class AdmissionQueue:
         the engine saw it): its tenant is refunded. Dispatches nothing (`pump` does)."""
         up = ticket.upstream
         assert up is not None, "only a dispatched ticket has a slot to free"
-        up.free(ticket.tokens)
-        self._flying.pop(ticket, None)
+        self._unplace(ticket, up)
         self._queues[ticket.cls].refund(ticket)
 
     def note_completion(self, now: float) -> None:
@@ -483,8 +481,7 @@ class AdmissionQueue:
         best = least_full(self.upstreams, ticket.tokens, skip=old)
         if best is None:
             return None
-        old.free(ticket.tokens)
-        self._flying.pop(ticket, None)
+        self._unplace(ticket, old)
         self._place(ticket, best, now)  # the same request: its tenant is not charged again
         return best
 
@@ -539,6 +536,12 @@ class AdmissionQueue:
         self._queues[ticket.cls].dispatched(ticket, queued)
         if ticket.tenant.tokens_per_minute is not None:
             self._buckets.take(ticket.tenant, ticket.tokens, now)
+
+    def _unplace(self, ticket: Ticket, up: UpstreamState) -> None:
+        """Give back the slot and tokens `_place` took on `up` (nothing else: no completion,
+        no charge)."""
+        up.free(ticket.tokens)
+        self._flying.pop(ticket, None)
 
     def _place(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
         if up.inflight == 0 and not any(u.inflight for u in self.upstreams):

@@ -122,7 +122,7 @@ class WaitEstimate:
     engine_ttft: float = field(default=0.0, init=False)  # EWMA, dispatch to first token
     _ttft_seen: int = field(default=0, init=False)
     duration: float | None = field(default=None, init=False)  # EWMA, dispatch to the end
-    _TTFT_WEIGHT: ClassVar[float] = 0.1  # of one first token in `engine_ttft`
+    _WEIGHT: ClassVar[float] = 0.1  # of one answer in `engine_ttft` and in `duration`
 
     def queue_wait(self, ahead: int) -> float | None:
         """Seconds a request with `ahead` queued before it is predicted to wait for a slot:
@@ -132,13 +132,13 @@ class WaitEstimate:
         return (ahead + 1) / rate if rate > 0 else None
 
     def note_duration(self, seconds: float) -> None:
-        """A request ended well `seconds` after dispatch (same weight as the TTFT's)."""
+        """A request ended well `seconds` after dispatch."""
         d = self.duration
-        self.duration = seconds if d is None else d + self._TTFT_WEIGHT * (seconds - d)
+        self.duration = seconds if d is None else d + self._WEIGHT * (seconds - d)
 
     def note_ttft(self, seconds: float) -> None:
         """A first token came `seconds` after dispatch: the engine's part of the wait."""
-        a = self._TTFT_WEIGHT if self._ttft_seen else 1.0
+        a = self._WEIGHT if self._ttft_seen else 1.0
         self.engine_ttft += a * (seconds - self.engine_ttft)
         self._ttft_seen += 1
 
