@@ -11,7 +11,9 @@ tokens/s, TTFT p90, TPOT p50, how much of the window the gateway was saturated
 `generation_tokens_total`, the summary also carries the engine's own in-flight
 (running + waiting) and tokens/s, which are instant and count every gateway; any scrape at
 all gives the engine's mean running and KV-cache use over the window, the fewest requests
-waiting in any scrape (a queue that never emptied), and the preemptions counted in it.
+waiting in any scrape (a queue that never emptied), and the preemptions counted in it;
+and the in-flight at its first scrape and at its last, with the tokens/s since the one
+before (a level read past a rise's prefills).
 
 `Windowed` is the template both use: a window opens on the first sample, scrape or tick
 after the last one closed; every tick advances it and, once `ready` (the quorum is
@@ -71,6 +73,7 @@ class Summary:
     engine_preempted: float | None = None  # preemptions between the first and last scrape
     engine_kv: float | None = None  # mean KV-cache use, 0..1
     engine_last: tuple[float, float] | None = None  # the last scrape's in-flight, its tokens/s
+    engine_first: float | None = None  # running + waiting at the window's first scrape
 
     @property
     def duration(self) -> float:
@@ -144,7 +147,15 @@ class Window:
             else None,
             engine_kv=sum(s.kv_cache_usage for s in self.stats) / n if n else None,
             engine_last=self._last(),
+            engine_first=self._first_own(),
         )
+
+    def _first_own(self) -> float | None:
+        """Running + waiting at the first scrape after the counters' baseline."""
+        if not self.stats:
+            return None
+        s = self.stats[1] if len(self.stats) > 1 else self.stats[0]
+        return s.running + s.waiting
 
     def _last(self) -> tuple[float, float] | None:
         """The last scrape's running + waiting, and tokens/s since the one before it."""

@@ -6,10 +6,13 @@ requests still run), or at `max_window`. Each closed window:
 
     bad     = a drop, or TTFT p90 > ttft_objective, or TPOT p50 > tpot_objective
     learn   the curve's point, unless the window measured a move of the limit (the burst
-            of prefills after it) or the engine queued (the plateau at no level); after a
-            rise, a window whose last scrape filled 0.8 x the gateway's peak and read
-            throughput grown from the highest level with elasticity >= 1/2 counts, as
-            that scrape's point (the window's means mix the scrapes from before the rise)
+            of prefills after it), or the engine's in-flight rose by more than a bin
+            through it (the KV edge lifted the limit: a move too), or the engine queued
+            (the plateau at no level); after a rise, a window whose last scrape filled
+            0.8 x the gateway's peak and read throughput grown with elasticity >= 1/2 from
+            the highest level measured (before any, from the last window's last scrape)
+            counts, as that scrape's point (the window's means mix the late scrapes from
+            before the rise)
     room    re-read (`Room.measure`); app-limited, a lower reading is no news
     share   learnt (`Share.update`), not while app-limited
     knee    = min(curve knee, room)          (published only within a climb step of the
@@ -89,6 +92,7 @@ class Knee(Windowed):
         self._now = -math.inf  # the last tick's time
         self._arrivals_seen = False  # the gateway reports arrivals: admissions are not read
         self._held_back = False  # the token budget refused a request in this window
+        self._before: tuple[float, float] | None = None  # the last window's last scrape
 
     @property
     def limit(self) -> int:
@@ -194,7 +198,7 @@ class Knee(Windowed):
             # the rise kept pace: its level is what the last scrape read, past the prefills
             w, level = climbed, climbed.engine_inflight or level
             self._curve.learn(w, level, bad)
-        elif measured and (bad or not self._moved) and not full:
+        elif measured and (bad or not (self._moved or self._ramped(w))) and not full:
             self._curve.learn(w, level, bad)
         # app-limited: demand under the limit, and under the token budget, with room to spare
         idle = w.saturated < c.saturation and not (full or bad or self._held_back)
@@ -219,6 +223,7 @@ class Knee(Windowed):
             # app-limited or queued: hold — there is no evidence the engine takes more (a
             # knee the curve measured still cuts: a decrease needs no proof of load)
             self._set_limit(max(1.0, min(self._limit, target)))
+        self._before = w.engine_last  # the level this window left, read at its last scrape
         self._moved = abs(self._limit - before) > c.bin_ratio * before
         self._moved_up = self._moved and self._limit > before
         if self._limit < before:
@@ -232,22 +237,35 @@ class Knee(Windowed):
 
     def _climbed(self, w: Summary) -> Summary | None:
         """The window after a rise, read at its last scrape, when that shows the rise kept
-        pace: the engine filled the level and throughput grew from the highest level measured
-        with elasticity of at least 1/2. The window's means mix the scrapes from before the
-        rise (they come 1.5 s late) and its burst of prefills; one that reads flat even at
-        its last scrape may still be prefilling, and the next window decides, as for any
-        move. None: not such a window."""
+        pace: the engine filled the level and throughput grew with elasticity of at least 1/2
+        from the highest level measured, or, before any, from the last scrape of the window
+        the rise left (the first window measures the start, no level). The window's means
+        mix the scrapes from before the rise (they come 1.5 s late) and its burst of
+        prefills; one that reads flat even at its last scrape may still be prefilling, and
+        the next window decides, as for any move. None: not such a window."""
         top = self._curve.highest()
-        if not (self._moved_up and self._curve.engine_mode and w.engine_last and top):
+        ref = (top.concurrency, top.throughput) if top else self._before
+        if not (self._moved_up and self._curve.engine_mode and w.engine_last and ref):
             return None
         level, tput = w.engine_last
         if level < 0.8 * w.max_inflight or w.saturated < self.cfg.saturation:
             return None
-        if level < self.cfg.pair * top.concurrency or tput <= 0 or top.throughput <= 0:
+        if level < self.cfg.pair * ref[0] or tput <= 0 or ref[1] <= 0:
             return None  # a counter that stood still or was reset
-        if math.log(tput / top.throughput) < 0.5 * math.log(level / top.concurrency):
+        if math.log(tput / ref[1]) < 0.5 * math.log(level / ref[0]):
             return None
         return replace(w, engine_inflight=level, engine_throughput=tput)
+
+    def _ramped(self, w: Summary) -> bool:
+        """The engine's in-flight rose by more than a bin across the window: it measured a
+        move, not a level. The KV edge lifts the limit between windows without moving the
+        window's: on H100 (seed 7) it took 503 to ~630 a second into a window, whose mean
+        read 577 at 8839 tokens/s (its prefills) against 7578 at 128, a plateau from 128 that
+        pulled the window's limit to 122 (hidden only by the KV edge). No goodput moved in any
+        scenario at seeds 7, 1, 2 with this rule; the false knee went."""
+        if w.engine_first is None or w.engine_last is None:
+            return False
+        return w.engine_last[0] > (1 + self.cfg.bin_ratio) * w.engine_first
 
     def _grow(self, level: float) -> float:
         step = 1 + self.cfg.climb

@@ -220,8 +220,10 @@ def test_a_rise_the_engine_keeps_pace_with_is_measured_at_once() -> None:
     # the demo's ramp: each window after a rise filled the new level and still paid
     limits = engine_climb(make(initial=8), 5, lambda c: 25.0 * c)
     # one level per two windows: 16, 16, 32, 32, 64; read at the rise's last scrape a linear
-    # engine reads linear (its window means mixed the baseline scrape from before the rise)
-    assert limits == [16, 16, 32, 64, 128]
+    # engine reads linear (its window means mixed the baseline scrape from before the rise),
+    # and the first rise is judged against the first window's last scrape (no level is
+    # measured before it): 16, 16, 32, 64, 128 with the first alone
+    assert limits == [16, 32, 64, 128, 256]
 
 
 def test_a_rise_is_read_at_its_last_scrape_past_the_scrape_lag_and_the_prefills() -> None:
@@ -237,7 +239,7 @@ def test_a_rise_is_read_at_its_last_scrape_past_the_scrape_lag_and_the_prefills(
             ctl.on_engine_stats(scrape(t + i, running=running, kv=0.05, tokens=tokens))
 
     t = 0.0
-    for c in (16, 32, 32):  # the start, the window of the first rise, then 32 measured
+    for c in (16, 32):  # the start, then the first rise, measured at once
         engine(t, [(c, 92.0 * c)] * 5)
         t = window(ctl, t, c, 92.0 * c)
     assert ctl.limit == 64
@@ -253,7 +255,7 @@ def test_a_rise_is_read_at_its_last_scrape_past_the_scrape_lag_and_the_prefills(
 def test_a_rise_that_reads_flat_waits_a_window() -> None:
     # flat from 16: the window after the rise to 32 may be its burst of prefills
     limits = engine_climb(make(initial=8), 6, lambda c: 25.0 * min(c, 16))
-    assert limits == [16, 16, 32, 32, 17, 15]
+    assert limits == [16, 32, 32, 17, 15, 15]
 
 
 def test_engine_curve_is_shared_by_gateways() -> None:
@@ -335,6 +337,28 @@ def engine_level(
         ctl.on_engine_stats(scrape(t + i, running=running, waiting=waiting, kv=kv, tokens=total[0]))
     c = round(running + waiting)
     return window(ctl, t, c, c * 100 / duration, ttft=ttft)
+
+
+def test_a_window_the_engine_ramped_through_is_no_level() -> None:
+    # H100, seed 7: the KV edge lifted the limit from 503 to ~630 a second into a window
+    # that had not moved it; the rise's prefills read 2600 tokens/s at one scrape, and the
+    # window's 577 at 8839 against 7578 at 128 read as a plateau from 128 (the window's
+    # limit fell to 122, hidden only by the KV edge)
+    ctl = make(initial=100, probe_every=100)
+    total = [0.0]
+    t = engine_level(ctl, 0.0, 64, 4000.0, total=total)  # app-limited: the limit holds
+    t = engine_level(ctl, t, 64, 4000.0, total=total)
+    assert [(p["concurrency"], p["throughput"]) for p in ctl.state()["curve"]] == [
+        (64.0, 4000.0)
+    ]
+    for i, (running, tput) in enumerate([(64, 4000), (76, 1500), (80, 4300), (80, 4300)]):
+        total[0] += tput
+        ctl.on_engine_stats(scrape(t + i, running=running, kv=0.3, tokens=total[0]))
+    window(ctl, t, 80, 2000.0)
+    assert ctl.limit == 100
+    assert [(p["concurrency"], p["throughput"]) for p in ctl.state()["curve"]] == [
+        (64.0, 4000.0)
+    ]  # 72.8 at 4700 tokens/s by the window's means, a ramp: no point
 
 
 def test_a_queue_of_one_beside_hundreds_running_is_jitter() -> None:
