@@ -138,7 +138,7 @@ class Curve:
         if self.engine_mode:
             steady = steady and level >= 0.8 * w.max_inflight
         key = round(math.log(level) / math.log1p(self.cfg.bin_ratio))
-        near = self._nearest(level)
+        near = self.nearest(level)
         if near is not None and abs(tput - near.throughput) > self.cfg.change * near.throughput:
             self._forget_change()  # the engine changed since `near` was measured
         old = self.points.get(key)
@@ -157,7 +157,7 @@ class Curve:
     def clear(self) -> None:
         self.points.clear()
 
-    def _nearest(self, level: float) -> Point | None:
+    def nearest(self, level: float) -> Point | None:
         """The stored point closest to `level`, if within two bins of it."""
         best = min(self.points.values(), key=lambda p: abs(p.concurrency - level), default=None)
         if best is None or abs(best.concurrency - level) > 2 * self.cfg.bin_ratio * level:

@@ -25,7 +25,9 @@ requests still run), or at `max_window`. Each closed window:
 Regions, in order:
 
     decline  bad: limit = min(target, backoff x min(limit, in-flight))
-    linear   in-flight at the limit for >= `saturation` of the window, engine not full:
+    linear   in-flight at the limit for >= `saturation` of the window, engine not full,
+             its last scrape not a measured level's throughput fallen by more than
+             `change` (a slowdown within the window: hold, as `low`):
              a probe goes to its target at once; else limit = min(target,
              limit x (1 + climb x elasticity)), and while the room is more than two climb
              steps away, no more than (1 + climb) x the highest level measured (every
@@ -213,7 +215,7 @@ class Knee(Windowed):
             # decrease needs no proof of load: cut below what was actually in flight
             cut = min(self._limit, max(w.inflight, 1.0)) * c.backoff
             self._set_limit(max(1.0, min(target, cut)))
-        elif w.saturated >= c.saturation and not full:
+        elif w.saturated >= c.saturation and not full and not self._stalled(w):
             # demand exceeds the limit and the engine keeps up: grow, at most one climb step
             # a probe goes to its level at once: on a flat plateau the fit's elasticity is ~0
             # and a climb step would never leave the knee
@@ -255,6 +257,21 @@ class Knee(Windowed):
         if math.log(tput / ref[1]) < 0.5 * math.log(level / ref[0]):
             return None
         return replace(w, engine_inflight=level, engine_throughput=tput)
+
+    def _stalled(self, w: Summary) -> bool:
+        """The window's last scrape reads a level measured before at a throughput fallen by
+        more than `change`: the engine changed within the window, whose means still read it
+        as it was. No growth on them: the 4x slowdown of test_knee_slowdown_sim struck, at
+        seed 7, in the window in which a breach at 64 faded (mean 881 tokens/s at 32, -20%;
+        last scrape 225, -80%); the limit doubled into it and grew to 89 a window later,
+        and those requests' samples, admitted before the cuts that followed, measured
+        nothing for ~30 s: 27 at 75-90 s, 17 with this rule (15-18 at seeds 1-5 either
+        way). No scenario of the suite moved at seeds 7, 1, 2."""
+        if self._moved or w.engine_last is None:
+            return False
+        level, tput = w.engine_last
+        near = self._curve.nearest(level)
+        return near is not None and tput < (1 - self.cfg.change) * near.throughput
 
     def _ramped(self, w: Summary) -> bool:
         """The engine's in-flight rose by more than a bin across the window: it measured a

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 
 import pytest
@@ -359,6 +360,25 @@ def test_a_window_the_engine_ramped_through_is_no_level() -> None:
     assert [(p["concurrency"], p["throughput"]) for p in ctl.state()["curve"]] == [
         (64.0, 4000.0)
     ]  # 72.8 at 4700 tokens/s by the window's means, a ramp: no point
+
+
+def test_a_level_whose_last_scrape_collapsed_does_not_grow() -> None:
+    # the 4x slowdown of test_knee_slowdown_sim at seed 7 struck in the window in which the
+    # breach at 64 faded: its mean read 881 tokens/s at 32 (-20%), its last scrape 225 (-80%),
+    # and the limit doubled into the slowdown (89 a window later); the samples of those
+    # requests, admitted before the cuts that followed, measured nothing for ~30 s, and the
+    # limit held 27 at 75-90 s where the other seeds held 15-18
+    ctl = make(initial=16, probe_every=100, objective_memory=12.0)
+    total, t = [0.0], 0.0
+    for running, tput, ttft in ((16, 400.0, 0.2), (32, 800.0, 0.2), (64, 1200.0, 5.0),
+                                (32, 800.0, 0.2), (32, 800.0, 0.2)):
+        t = engine_level(ctl, t, running, tput, ttft=ttft, total=total)
+    assert (ctl.limit, ctl.ceiling()) == (32, 32.0)  # the breach at 64 holds it
+    for i, tput in enumerate([800.0, 800.0, 800.0, 800.0, 800.0, 160.0]):
+        total[0] += tput if i else 0.0
+        ctl.on_engine_stats(scrape(t + i, running=32, kv=0.3, tokens=total[0]))
+    window(ctl, t, 32, 800.0)  # the breach fades here: the window would double the limit
+    assert (ctl.limit, ctl.ceiling()) == (32, math.inf)
 
 
 def test_a_queue_of_one_beside_hundreds_running_is_jitter() -> None:
