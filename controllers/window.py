@@ -37,7 +37,11 @@ from kneegate.controllers.base import (
     is_distress,
 )
 
-__all__ = ["Summary", "Window", "WindowSettings", "Windowed", "quantile"]
+__all__ = ["LAST_SPAN", "Summary", "Window", "WindowSettings", "Windowed", "quantile"]
+
+# seconds the last reading spans at least: one scrape interval at the default 1 s (the
+# scrapes' times jitter by a step), three at 0.25 s, whose tokens/s swing with each batch
+LAST_SPAN = 0.75
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -158,10 +162,13 @@ class Window:
         return s.running + s.waiting
 
     def _last(self) -> tuple[float, float] | None:
-        """The last scrape's running + waiting, and tokens/s since the one before it."""
+        """The last scrape's running + waiting, and tokens/s since the last scrape at least
+        `LAST_SPAN` before it (the one before it at the default 1 s interval)."""
         if len(self.stats) < 2:
             return None
-        a, b = self.stats[-2], self.stats[-1]
+        b = self.stats[-1]
+        a = next((s for s in reversed(self.stats[:-1]) if s.at <= b.at - LAST_SPAN),
+                 self.stats[0])
         tokens = b.generation_tokens_total - a.generation_tokens_total
         if b.at <= a.at or math.isnan(tokens):
             return None

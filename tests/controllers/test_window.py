@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from helpers.controllers import make_sample, scrape
 
 from kneegate.controllers import BaseControllerConfig, GradientConfig, Outcome
@@ -71,3 +72,14 @@ def test_a_keeper_keeps_the_scrapes_led_by_the_last_one_before_its_window() -> N
     keeper.on_engine_stats(scrape(7.0, running=12))
     keeper.on_tick(12.0, 4)
     assert [(w.start, w.engine_running) for w in keeper.closed] == [(0.0, 6.0), (7.0, 10.0)]
+
+
+def test_the_last_reading_spans_at_least_three_quarters_of_a_second() -> None:
+    # at 0.25 s a scrape's tokens/s swings with each step's batch: the last reading reaches
+    # back to the last scrape 0.75 s before the last one; at 1 s, to the one before it
+    keeper = EagerKeeper(window=5.0, min_samples=10, max_window=30.0)
+    for i, tokens in enumerate([0.0, 10.0, 40.0, 50.0, 80.0, 90.0]):
+        keeper.on_engine_stats(scrape(i * 0.25, running=8 + i, tokens=tokens))
+    keeper.on_tick(5.0, 4)
+    # from 0.5 s (40 tokens) to 1.25 s (90): 50 / 0.75 s; its last interval alone read 40
+    assert keeper.closed[0].engine_last == (13, pytest.approx(50 / 0.75))
