@@ -31,4 +31,4 @@ def test_the_limit_comes_down_when_every_step_takes_4x_as_long(seed: int) -> Non
     before = _mean_limit(res, 30.0, SLOWDOWN_AT)
     after = _mean_limit(res, SLOWDOWN_AT + 30.0, SLOWDOWN_AT + 45.0)
     assert before >= 20  # settled near the knee (~28) first
-    assert after <= 0.6 * before  # measured 15-16 against 30.5-30.7 at seeds 7, 1, 2, 3
+    assert after <= 0.6 * before  # measured 9.9-12.4 against 32 at seeds 7, 1, 2, 3

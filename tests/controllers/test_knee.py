@@ -296,6 +296,23 @@ def test_engine_counters_close_a_window_before_any_request_finishes() -> None:
     assert ctl.limit == 32  # one slow-start step at 6 s, not at max_window (30 s)
 
 
+@pytest.mark.parametrize(("tput", "inflight", "limit"), [
+    (160.0, 32, 28),  # 32 running at 160 tokens/s: 0.2 s a token, over 0.1 s: cut 32 x 0.9
+    (800.0, 32, 64),  # 0.04 s a token: the level is good, slow start doubles
+    (160.0, 16, 32),  # under the limit (a burst's prefills read so): no judgement, held
+])
+def test_a_window_no_answer_ended_in_is_judged_by_the_engines_tpot(
+    tput: float, inflight: int, limit: int
+) -> None:
+    # every step slowed down: requests outlast the window, none ends in it
+    ctl = make(initial=32, tpot_objective=0.1, probe_every=100)
+    for i in range(7):
+        ctl.on_engine_stats(scrape(float(i), running=inflight, kv=0.4, tokens=tput * i))
+    ctl.on_tick(0.0, inflight)
+    ctl.on_tick(6.0, inflight)
+    assert ctl.limit == limit
+
+
 def test_a_level_without_latency_does_not_end_the_curve() -> None:
     # 8 and 16 measured by counters alone (no latency), then 24 with latency: one rising curve
     ctl = make(initial=64, probe_every=100)
