@@ -56,6 +56,18 @@ have been served. Prompt-growth over seeds 1-7, goodput / oracle, mean 1.61 -> 1
 (refusals at the tick only; with the arrival's prediction too, seed 7 read 1.595 -> 1.539).
 Its time to settle went past 15 s at 2 of 7 seeds instead of 1. The excess was read from the
 instant's limit, which a controller may take back.
+
+Also tried and dropped: a prediction before the first four answers end (a cold start). Until
+then nothing is refused for its objective, and under sustained overload a fresh gateway
+queues to its count: in every wall-clock run at 3x, ~20 requests of the first 2 s wait out
+their objective and are answered 503 (the benchmark's warm-up; counted nowhere else). The
+rule tried queued one round of the limits' slots unpredicted and guessed past it that each
+slot frees once a second, as Retry-After does; at the default budget (a quarter of 2 s) that
+refuses everything past the first round. It also refused what a cold gateway served in time
+before: every burst of two or three times the limit onto a fast engine (a dozen tests, over
+sockets and in-process, e.g. 8 requests at a limit of 4 answering in milliseconds). The
+window is the first few answers either way; the 503s it would save come after 2 s of
+sustained overload, the 429s it would add in the first burst onto any fresh gateway.
 """
 
 from __future__ import annotations
