@@ -5,7 +5,8 @@
 
 One run, so the ratios are measured side by side. First the engine (`python -m
 benchmarks.engine --profile cpu-tiny`, its own process) is measured alone: closed loop,
-`--capacity-streams` (64) streams for `--capacity-seconds`; capacity in requests/s =
+`--capacity-streams` (64) streams for `--capacity-seconds` after `--capacity-warmup` (2 s;
+a fresh vLLM needs more: its first requests are slow); capacity in requests/s =
 output tokens/s / `--max-tokens` (tokens, not loadgen's requests_per_s, which leaves out the
 requests started in the warm-up). Then, for every arm and load, a fresh engine (and gateway)
 receives Poisson arrivals at load x capacity: streamed, `--prompt-tokens` (128) token ids,
@@ -473,7 +474,8 @@ def _measure_engine(args: argparse.Namespace, sweep: bool) -> tuple[float, int |
     with _serving(Arm("direct"), args.profile, args.upstream) as url:
         cfg = LoadConfig(url=url, model=args.model or args.profile,
                          prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                         max_seconds=args.capacity_seconds + 2.0, warmup=2.0,
+                         max_seconds=args.capacity_seconds + args.capacity_warmup,
+                         warmup=args.capacity_warmup,
                          max_requests=10**9)
         cap = asyncio.run(closed_loop(cfg, args.capacity_streams)).summary()
         capacity_rps = float(cap["throughput_tok_s"]) / args.max_tokens
@@ -594,6 +596,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--capacity-streams", type=int, default=64)
     ap.add_argument("--capacity-seconds", type=float, default=8.0)
+    ap.add_argument("--capacity-warmup", type=float, default=2.0,
+                    help="unmeasured seconds first: a fresh vLLM's first requests are slow, "
+                    "and 64 streams start with 64 prefills")
     ap.add_argument("--valve-tokens", help="sizes for the valve arm, e.g. 1280,2560,5120")
     ap.add_argument("--fixed-limit", type=int, help="kneegate-fixed's limit (else a sweep)")
     ap.add_argument("--sweep-levels", default="4,8,16,32,64")
