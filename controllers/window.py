@@ -83,6 +83,15 @@ class Summary:
     def duration(self) -> float:
         return self.end - self.start
 
+    @property
+    def engine_tpot(self) -> float | None:
+        """The engine's time per output token: its mean running count over its generated
+        tokens/s. It counts requests still prefilling, so it reads high at a ramp or a
+        burst's start. None: no scrapes to read, or nothing generated."""
+        if self.engine_running is None or not self.engine_throughput:
+            return None
+        return self.engine_running / self.engine_throughput
+
 
 @dataclass(slots=True)
 class Window:

@@ -6,7 +6,7 @@ requests still run), or at `max_window`. Each closed window:
 
     bad     = a drop, or TTFT p90 > ttft_objective, or TPOT p50 > tpot_objective (in a
             window with no answer in it, held at the limit, not after a rise nor through
-            the engine's own: the engine's TPOT, `engine_tpot`)
+            the engine's own: the engine's TPOT, `Summary.engine_tpot`)
     learn   the curve's point, unless the window measured a move of the limit (the burst
             of prefills after it), or the engine's in-flight rose by more than a bin
             through it (the KV edge lifted the limit: a move too), or the engine queued
@@ -191,7 +191,8 @@ class Knee(Windowed):
 
     def _close(self, w: Summary) -> None:
         c = self.cfg
-        bad = w.drops > 0 or self._over_objective(w)
+        ramped = self._ramped(w)
+        bad = w.drops > 0 or self._over_objective(w, ramped)
         level, _ = self._curve.level(w)
         full = queued(w, c.queue_jitter)
         # the window after a move measures the move (a burst of prefills), not the level
@@ -202,7 +203,7 @@ class Knee(Windowed):
             # the rise kept pace: its level is what the last scrape read, past the prefills
             w, level = climbed, climbed.engine_inflight or level
             self._curve.learn(w, level, bad)
-        elif measured and (bad or not (self._moved or self._ramped(w))) and not full:
+        elif measured and (bad or not (self._moved or ramped)) and not full:
             self._curve.learn(w, level, bad)
         # app-limited: demand under the limit, and under the token budget, with room to spare
         idle = w.saturated < c.saturation and not (full or bad or self._held_back)
@@ -233,12 +234,23 @@ class Knee(Windowed):
         if self._limit < before:
             self._last_cut = w.end  # later samples admitted before this measure a level left
 
-    def _over_objective(self, w: Summary) -> bool:
+    def _over_objective(self, w: Summary, ramped: bool) -> bool:
+        """TTFT p90 or TPOT p50 over its objective. A window held at the limit with no
+        answer in it, not after a rise nor through the engine's own (`ramped`), is judged by
+        the engine's TPOT (`Summary.engine_tpot`). Once each step is 4x slower a request
+        lasts 4x longer, and every other window closed on the engine's scrapes alone
+        (test_knee_slowdown_sim, TPOT objective 50 ms): it held the limit the windows with
+        answers cut. After / before the slowdown the limit read 0.50-0.58 at seeds 7, 1, 2,
+        3, and 0.73 at seed 7 once the first rise was read against the window it left
+        (`_climbed`: 32 doubled to 64 as the slowdown struck); with this reading 0.31-0.39.
+        Not in the other windows, where requests still prefilling read it high: a burst's
+        start under the limit (bursts-lowrate, seed 1: 4.8 running at 20 tokens/s, 0.235 s
+        a token, cut the burst's climb at 32, goodput / oracle 0.909 -> 0.563), four
+        gateways' first ramp (seed 1: 23.7 running at 146 tokens/s, 0.992 -> 0.894)."""
         c = self.cfg
         tpot = w.tpot_p50
-        blind = tpot is None and w.saturated >= c.saturation
-        if blind and not (self._moved_up or self._ramped(w)):
-            tpot = engine_tpot(w)  # no answer ended in a window held at a level
+        if tpot is None and w.saturated >= c.saturation and not (self._moved_up or ramped):
+            tpot = w.engine_tpot
         return (w.ttft_p90 is not None and w.ttft_p90 > c.ttft_objective) or (
             tpot is not None and tpot > c.tpot_objective
         )
@@ -362,23 +374,3 @@ class Knee(Windowed):
             "token_budget": self._kv.token_budget(),
         }
 
-
-def engine_tpot(w: Summary) -> float | None:
-    """The engine's time per output token over a window: its mean running count over its
-    generated tokens/s. None: no scrapes to read, or nothing generated.
-
-    `Knee` reads it in a window with no answer in it, held at the limit, that measures
-    neither a rise of the limit nor the engine's in-flight rising through it. Once each step
-    is 4x slower a request lasts 4x longer, and every other window closed on the engine's
-    scrapes alone (test_knee_slowdown_sim, TPOT objective 50 ms): it held the limit the
-    windows with answers cut, and the limit fell half as fast: after / before the slowdown
-    0.50-0.58 at seeds 7, 1, 2, 3, and 0.73 at seed 7 once the first rise was read against
-    the window it left (`_climbed`: 32 doubled to 64 as the slowdown struck); with this
-    reading 0.31-0.39, that rule in place. Running requests that are
-    still prefilling read it high, so not in the other windows: a burst's start under the
-    limit (bursts-lowrate, seed 1: 4.8 running at 20 tokens/s, 0.235 s a token, cut the
-    burst's climb at 32, goodput / oracle 0.909 -> 0.563) nor four gateways' first ramp
-    (seed 1: 23.7 running at 146 tokens/s at 10 s, 0.992 -> 0.894)."""
-    if w.engine_running is None or not w.engine_throughput:
-        return None
-    return w.engine_running / w.engine_throughput
