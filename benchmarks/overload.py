@@ -75,6 +75,7 @@ import shlex
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -431,6 +432,29 @@ def _child(cmd: list[str], ready: str | int) -> Iterator[None]:
         yield
 
 
+IDLE_WAIT_S = 60.0  # how long a shared engine may take to drop the last cell's requests
+
+
+def _wait_idle(url: str, limit: float = IDLE_WAIT_S) -> float:
+    """Wait until a shared engine runs and queues nothing (vLLM's series on its /metrics);
+    the seconds waited. A cell's users end, but the engine drops what they left only
+    as it notices them gone: vLLM still held 233 of direct's requests at 3x a second after
+    its cell ended, and the kneegate cell after it read their TTFT as its own (its first
+    window: engine in-flight 56 where it held 14). No such series: no wait."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+                totals = metric_totals(r.read().decode())
+        except OSError:
+            return time.monotonic() - t0
+        series = [totals.get(f"vllm:num_requests_{s}") for s in ("running", "waiting")]
+        if None in series or sum(x or 0.0 for x in series) == 0:
+            return time.monotonic() - t0
+        time.sleep(0.25)  # another process's state, read over HTTP: no event to wait on
+    raise RuntimeError(f"{url} still busy {limit:g} s after the last cell")
+
+
 @contextlib.contextmanager
 def _serving(arm: Arm, profile: str, upstream: str | None = None,
              start_vllm: bool = False) -> Iterator[str]:
@@ -438,6 +462,8 @@ def _serving(arm: Arm, profile: str, upstream: str | None = None,
     With `upstream`, that running engine instead of a fresh emulator; with `start_vllm` as
     well, an arm with engine flags (the valve) gets a vLLM of its own started with them."""
     if upstream is not None:
+        if not arm.engine_flags:
+            _wait_idle(upstream)
         if arm.engine_flags and start_vllm:
             from kneegate.benchmarks.calibrate_vllm import _started_vllm
 

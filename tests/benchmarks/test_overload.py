@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,7 +17,9 @@ import pytest
 
 from kneegate.benchmarks.overload import (
     Record,
+    _wait_idle,
     main,
+    metric_totals,
     parse_arms,
     parse_keys,
     parser,
@@ -93,6 +98,40 @@ def test_arms_expand_and_refuse_unknown_names() -> None:
 def _args(*extra: str):  # type: ignore[no-untyped-def]
     return parser().parse_args(["--warmup", "0.2", "--seconds", "1", "--give-up", "0.5",
                                 "--request-timeout", "5", *extra])
+
+
+def test_a_cell_on_a_shared_engine_waits_for_the_last_cells_requests_to_end(
+        emulator) -> None:  # type: ignore[no-untyped-def]
+    """`_wait_idle` returns once the engine runs and queues nothing, not before."""
+    url, _app = emulator
+    done: list[float] = []
+
+    def one_request() -> None:
+        body = json.dumps({"model": "cpu-tiny", "prompt": "x", "max_tokens": 256}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body,
+                                     {"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+        done.append(time.monotonic())
+
+    worker = threading.Thread(target=one_request)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10  # until the engine shows it running
+        while metric_totals(_metrics(url)).get("vllm:num_requests_running") != 1.0:
+            assert time.monotonic() < deadline and worker.is_alive()
+            time.sleep(0.01)
+        waited = _wait_idle(url, limit=30)
+        returned = time.monotonic()
+    finally:
+        worker.join(30)
+    assert waited > 0 and done and done[0] <= returned
+    assert _wait_idle(url) < 1.0  # idle: at once
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        return r.read().decode()
 
 
 def test_users_below_capacity_are_all_served_within_the_objective(emulator) -> None:  # type: ignore[no-untyped-def]
