@@ -61,7 +61,13 @@ from kneegate.benchmarks.engine.core import EngineCore, EngineRequest
 from kneegate.benchmarks.engine.profiles import Profile, load_profile
 from kneegate.benchmarks.engine.virtual import closed_loop
 from kneegate.benchmarks.sweep import find_knee
-from kneegate.controllers.base import EngineStats, LimitController, Outcome, Sample
+from kneegate.controllers.base import (
+    EngineStats,
+    LimitController,
+    Outcome,
+    Sample,
+    engine_ttft_objective,
+)
 from kneegate.controllers.registry import build_controller
 from kneegate.gateway.admission import AdmissionQueue
 from kneegate.gateway.admission_types import (
@@ -294,7 +300,7 @@ def _controller(sc: Scenario, spec: str, limit: int | None) -> LimitController:
     """`spec` is a registry name, optionally with overrides: `knee:headroom=0.95:window=10`."""
     name, *pairs = spec.split(":")
     params: dict[str, Any] = {
-        "ttft_objective": min(c.ttft or sc.ttft for c in sc.classes),
+        "ttft_objective": engine_ttft_objective(min(c.ttft or sc.ttft for c in sc.classes)),
         "tpot_objective": min(c.tpot or sc.tpot for c in sc.classes),
     }
     if name == "fixed":

@@ -29,9 +29,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kneegate.controllers.base import engine_ttft_objective
 from kneegate.gateway.admission import AdmissionQueue
 from kneegate.gateway.admission_types import ClassPolicy
 from kneegate.gateway.config import GatewayConfig, Prepare, parse_reload
+from kneegate.gateway.config_upstream import UpstreamConfig
 from kneegate.gateway.config_yaml import read_config
 from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.endpoints import NO_ROUTE, own_endpoints
@@ -79,6 +81,16 @@ def _objectives(cfg: GatewayConfig) -> dict[str, float]:
     return {name: c.ttft_objective for name, c in cfg.classes.items()}
 
 
+def _upstreams(cfg: GatewayConfig) -> list[UpstreamConfig]:
+    """The upstreams as their controllers run them: a controller whose params leave out
+    `ttft_objective` holds the engine to `engine_ttft_objective` of the tightest class's
+    objective (users' time from arrival; the engine's is from dispatch)."""
+    objective = engine_ttft_objective(min(c.ttft_objective for c in cfg.classes.values()))
+    return [u if "ttft_objective" in u.params
+            else u.model_copy(update={"params": {**u.params, "ttft_objective": objective}})
+            for u in cfg.upstreams]
+
+
 class Gateway:
     """Everything one gateway process holds, built from a config."""
 
@@ -94,7 +106,7 @@ class Gateway:
         self.config_path, self.prepare, self.clock = config_path, prepare, clock
         self.config = config
         self.metrics = GatewayMetrics(registry if registry is not None else CollectorRegistry())
-        self.pool = UpstreamPool(config.upstreams, clock=clock,
+        self.pool = UpstreamPool(_upstreams(config), clock=clock,
                                  count_scrape=self.metrics.count_scrape)
         self.queue = AdmissionQueue(
             list(self.pool.active), _policies(config), config.max_queue,
@@ -214,7 +226,7 @@ class Gateway:
         if new.limits != self.config.limits:  # the server's connections read them at start
             log.warning("client limits changed; they take effect only after a restart")
             new = new.model_copy(update={"limits": self.config.limits})
-        ups = self.pool.reload(new.upstreams)
+        ups = self.pool.reload(_upstreams(new))
         self.queue.reconfigure(_policies(new), new.max_queue, list(ups),
                                (new.retry_after_min, new.retry_after_max))
         self.metrics.set_objectives(_objectives(new))

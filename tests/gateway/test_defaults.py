@@ -230,6 +230,30 @@ def test_ttft_objective_flag_lands_in_the_default_class() -> None:
     assert info.value.field == "classes.default.ttft_objective"
 
 
+def test_the_controllers_ttft_objective_follows_the_tightest_class_objective() -> None:
+    """The users' objective (from arrival) sets the engine's (from dispatch,
+    `engine_ttft_objective`): `--ttft-objective 3` had left the engine held to 2 s. A
+    controller's own setting wins, and a reload that changes the classes' objectives moves
+    the controllers' with them."""
+    def objectives(app: KneegateApp) -> list[float]:
+        return [u.controller.cfg.ttft_objective for u in app.gateway.pool.active]
+
+    ups = [{"name": "a", "url": "http://h:1"},
+           {"name": "b", "url": "http://h:2", "controller": "aimd"},
+           {"name": "c", "url": "http://h:3", "params": {"ttft_objective": 0.7}}]
+    app = build_app(parse_config({"upstreams": ups}))
+    assert objectives(app) == [2.0, 2.0, 0.7]
+    flagged = apply_flags(GatewayConfig(), serve_args("--upstream", "http://h:1",
+                                                      "--ttft-objective", "3"))
+    assert objectives(build_app(flagged)) == [3.0]
+    two = {"upstreams": ups, "classes": {"chat": {"ttft_objective": 4},
+                                         "batch": {"ttft_objective": 60}},
+           "default_class": "chat"}
+    app.gateway.apply(parse_config(two))
+    assert objectives(app) == [4.0, 4.0, 0.7]
+    assert app.gateway.config.upstreams[0].params == {}  # the file's config, as it was read
+
+
 def test_failed_detections_never_judge_an_upstream_frozen() -> None:
     # timeouts while detecting are counted like scrapes, but only a scraped upstream is
     # judged frozen: one not known to serve vLLM's series is left to the request timeouts

@@ -45,7 +45,9 @@ CLIENTS = 64
 LEVELS = [1, 2, 4, 8, 16, 32, 64]
 RUN_SECONDS = 180.0  # the knee controller settled within ~100 s in trial runs
 MEASURE_SECONDS = 60.0  # the last part of the run, where the assertions look
-KNEE_PARAMS: dict[str, Any] = {"initial": 4}  # the rest: KneeConfig's defaults
+# the engine held to a TTFT of 2 s, as measured here before the objective was derived from
+# the classes' (this test's class objective is 10 minutes: the closed loop's clients queue)
+KNEE_PARAMS: dict[str, Any] = {"initial": 4, "ttft_objective": 2.0}
 
 
 def gateway_app(url: str) -> KneegateApp:
