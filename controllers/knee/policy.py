@@ -33,7 +33,8 @@ Regions, in order:
              a probe goes to its target at once; else limit = min(target,
              limit x (1 + climb x elasticity)), and while the room is more than two climb
              steps away, no more than (1 + climb) x the highest level measured (every
-             level of the climb is measured before the next)
+             level of the climb is measured before the next); either no more than
+             limit x ttft_objective / TTFT p90 (`_close`)
     low      app-limited, or the engine queued: limit = min(limit, target) (never grows)
 
 App-limited (`idle`): in-flight at the limit for under `saturation` of the window, the
@@ -222,7 +223,16 @@ class Knee(Windowed):
             # demand exceeds the limit and the engine keeps up: grow, at most one climb step
             # a probe goes to its level at once: on a flat plateau the fit's elasticity is ~0
             # and a climb step would never leave the knee
+            # neither beyond the level whose TTFT p90, if it grew with the level, would meet
+            # its objective: where every prefill queues behind the others (vLLM's CPU build:
+            # TTFT 1 s at 8 running, 2 s at 16) the TTFT grows in step. There, at 3x, 16 with
+            # a TTFT p90 of 1.35-1.94 s doubled to 32 (2.7-2.9 s) and the limit came back
+            # over ~30 s: users' TTFT p99 from send 3.0-3.6 s, 2.0-2.4 s with this rule, and
+            # goodput 1.05-1.28x in three runs side by side (docs/benchmarks.md). Where TTFT
+            # is far under its objective (every scenario of the simulator) it never binds.
             grow = target if self._probing else self._grow(level)
+            if w.ttft_p90:  # no further than where TTFT, grown in step, meets its objective
+                grow = min(grow, max(self._limit, self._limit * c.ttft_objective / w.ttft_p90))
             self._set_limit(max(1.0, min(target, grow)))
         else:
             # app-limited or queued: hold — there is no evidence the engine takes more (a

@@ -33,6 +33,16 @@ def test_slow_start_doubles_once_each_level_is_measured() -> None:
     assert ctl.limit == 64
 
 
+@pytest.mark.parametrize(("ttft", "limit"), [(0.2, 32), (1.6, 20), (1.9, 16)])
+def test_growth_stops_where_the_ttft_grown_in_step_would_break_its_objective(
+    ttft: float, limit: int
+) -> None:
+    # TTFT p90 at 16 of 2 s: 16 x 2 / 1.6 = 20, not a doubling; 16 x 2 / 1.9 = 16.8 floors at 16
+    ctl = make(ttft_objective=2.0)
+    window(ctl, 0.0, 16, 400.0, ttft=ttft)
+    assert ctl.limit == limit
+
+
 def test_a_flat_plateau_is_a_knee_even_when_the_fit_does_not_bend() -> None:
     # doubling from 32 to 64 adds 0.5%: the step does not pay, so the knee is 32
     ctl = make(initial=16, power_floor=0.0, probe_every=100)
