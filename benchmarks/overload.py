@@ -8,10 +8,12 @@ benchmarks.engine --profile cpu-tiny`, its own process) is measured alone: close
 `--capacity-streams` (64) streams for `--capacity-seconds` after `--capacity-warmup` (2 s;
 a fresh vLLM needs more: its first requests are slow); capacity in requests/s =
 output tokens/s / `--max-tokens` (tokens, not loadgen's requests_per_s, which leaves out the
-requests started in the warm-up). Then, for every arm and load, a fresh engine (and gateway)
-receives Poisson arrivals at load x capacity: streamed, `--prompt-tokens` (128) token ids,
-`--max-tokens` (64) output tokens, ignore_eos. A user with no first token `--give-up` (20) s
-after sending closes the stream (gave up); a rejection is not retried.
+requests started in the warm-up); `--capacity TOK_S` takes it as given instead (two builds
+run one after the other then offer the same rate). Then, for every arm and load, a fresh
+engine (and gateway) receives Poisson arrivals at load x capacity (with `--upstream`, that
+engine, once it runs and queues nothing: `_wait_idle`): streamed, `--prompt-tokens` (128)
+token ids, `--max-tokens` (64) output tokens, ignore_eos. A user with no first token
+`--give-up` (20) s after sending closes the stream (gave up); a rejection is not retried.
 
 Arms (`--arms`, comma-separated):
   direct          the engine alone
@@ -555,7 +557,12 @@ def _run(args: argparse.Namespace) -> Report:
           f"+ measured {args.seconds:g} + drain <= {args.request_timeout:g} + start/stop); "
           f"total <= {cells * per_cell / 60:.1f} min after the capacity phase", flush=True)
     need_sweep = "kneegate-fixed" in names and args.fixed_limit is None
-    rep.capacity_rps, safe, rep.sweep = _measure_engine(args, need_sweep)
+    if args.capacity is not None:  # taken as given: runs side by side offer the same rate
+        if need_sweep:
+            raise SystemExit("--capacity with kneegate-fixed needs --fixed-limit")
+        rep.capacity_rps, safe = args.capacity / args.max_tokens, None
+    else:
+        rep.capacity_rps, safe, rep.sweep = _measure_engine(args, need_sweep)
     rep.capacity_tok_s = rep.capacity_rps * args.max_tokens
     if rep.capacity_rps <= 0:
         raise RuntimeError("the engine completed nothing in the capacity run")
@@ -566,9 +573,11 @@ def _run(args: argparse.Namespace) -> Report:
     rep.valve_tokens = ([int(x) for x in args.valve_tokens.split(",")] if args.valve_tokens
                         else valve_sizes(args.objective, rep.capacity_rps, args.prompt_tokens))
     arms = parse_arms(args.arms, rep.valve_tokens, rep.fixed_limit)
+    how = ("given, --capacity" if args.capacity is not None else
+           f"closed loop, {args.capacity_streams} streams, {args.capacity_seconds:g} s")
     print(f"capacity {rep.capacity_rps:.2f} req/s = {rep.capacity_tok_s:.0f} output tok/s "
-          f"(closed loop, {args.capacity_streams} streams, {args.capacity_seconds:g} s); "
-          f"objective {args.objective:g} s from send; give-up {args.give_up:g} s", flush=True)
+          f"({how}); objective {args.objective:g} s from send; give-up {args.give_up:g} s",
+          flush=True)
     if "valve" in names:
         print(f"valve sizes (--max-num-queued-tokens): {rep.valve_tokens}", flush=True)
     if rep.fixed_limit is not None:
@@ -620,6 +629,9 @@ def parser() -> argparse.ArgumentParser:
                     "checkout) and measure it; valve-N arms start one with the flag each")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--capacity", type=float,
+                    help="output tokens/s taken as the engine's capacity instead of measuring "
+                    "it (builds compared side by side then offer one rate)")
     ap.add_argument("--capacity-streams", type=int, default=64)
     ap.add_argument("--capacity-seconds", type=float, default=8.0)
     ap.add_argument("--capacity-warmup", type=float, default=2.0,

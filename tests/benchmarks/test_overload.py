@@ -230,3 +230,17 @@ def test_the_benchmark_in_miniature(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert 0 <= gated["in_flight_p50"] <= 16
     assert gated["goodput_over_direct_done"] == pytest.approx(
         gated["goodput_tok_s"] / direct["completed_tok_s"])
+
+
+def test_a_given_capacity_is_offered_as_is(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # 640 tokens/s at 64 tokens a request: 10 requests/s, and 0.3x of it offered (3 a second)
+    out = tmp_path / "overload.json"
+    rc = main(["--capacity", "640", "--loads", "0.3", "--seconds", "2", "--warmup", "0",
+               "--request-timeout", "10", "--arms", "direct", "--json", str(out)])
+    assert rc == 0
+    assert "capacity 10.00 req/s = 640 output tok/s (given, --capacity)" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["capacity_rps"] == 10.0 and data["rows"][0]["offered_rps"] == pytest.approx(3.0)
+    with pytest.raises(SystemExit, match="needs --fixed-limit"):
+        main(["--capacity", "640", "--arms", "kneegate-fixed"])
