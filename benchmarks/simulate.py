@@ -300,7 +300,7 @@ def _controller(sc: Scenario, spec: str, limit: int | None) -> LimitController:
     """`spec` is a registry name, optionally with overrides: `knee:headroom=0.95:window=10`."""
     name, *pairs = spec.split(":")
     params: dict[str, Any] = {
-        "ttft_objective": engine_ttft_objective(min(c.ttft or sc.ttft for c in sc.classes)),
+        "ttft_objective": engine_ttft_objective(c.ttft or sc.ttft for c in sc.classes),
         "tpot_objective": min(c.tpot or sc.tpot for c in sc.classes),
     }
     if name == "fixed":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,25 +31,21 @@ __all__ = [
     "is_distress",
 ]
 
-# The part of the users' TTFT objective (from arrival) a controller holds the engine's TTFT
-# (from dispatch) to; see `engine_ttft_objective`.
-ENGINE_TTFT_SHARE = 1.0
+def engine_ttft_objective(user_objectives: Iterable[float]) -> float:
+    """The TTFT objective a controller holds the engine to (from dispatch), given the
+    classes' objectives for their users (from arrival): the tightest of them. The gateway
+    applies it where a controller's params leave `ttft_objective` out; so does the
+    simulator. A user's first token comes after the wait and the engine's TTFT; the queue
+    admits a request only if the predicted wait plus the engine's expected TTFT fits
+    (gateway/admission_wait.py), so the wait has its own bound.
 
-
-def engine_ttft_objective(user_objective: float) -> float:
-    """The engine-side TTFT objective a controller holds the engine to, for users whose
-    objective runs from arrival (the gateway passes the tightest class's; a controller's
-    own `ttft_objective` wins). A user's first token comes after the wait and the
-    engine's TTFT; the queue admits a request only if the predicted wait plus the
-    engine's expected TTFT fits (gateway/admission_wait.py), so the wait has its own bound.
-
-    The whole objective, not a share of it, measured (docs/benchmarks.md, 2026-12-02):
-    held to 3/4 or 1/2 of it, the simulator's bursts-lowrate fell 0.937 -> 0.865 and
-    0.930 -> 0.822 of the oracle at seeds 7 and 4 (a drain window's answers, admitted at
-    a burst's peak, read a TTFT p90 of 1.85 s), the same at seeds 1, 2, 3, 5 and every
-    other scenario within 0.02; on vLLM's CPU build at 3x, goodput over capacity read 0.46-0.68
-    (median 0.61) against 0.48-0.69 (median 0.54) with the whole, in runs as noisy as that."""
-    return ENGINE_TTFT_SHARE * user_objective
+    The whole objective, not a share of it (docs/benchmarks.md, 2026-12-01): held to 3/4
+    or 1/2 of it, the simulator's bursts-lowrate fell 0.937 -> 0.865 and 0.930 -> 0.822 of
+    the oracle at seeds 7 and 4 (a drain window's answers, admitted at a burst's peak, read
+    a TTFT p90 of 1.85 s); seeds 1, 2, 3, 5 and every other scenario moved by 0.02 at
+    most. On vLLM's CPU build at 3x, goodput over capacity read 0.46-0.68 (median 0.61)
+    at 3/4 against 0.48-0.69 (median 0.54) with the whole, in runs as noisy as that."""
+    return min(user_objectives)
 
 
 class Outcome(enum.Enum):

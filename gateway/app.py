@@ -83,9 +83,9 @@ def _objectives(cfg: GatewayConfig) -> dict[str, float]:
 
 def _upstreams(cfg: GatewayConfig) -> list[UpstreamConfig]:
     """The upstreams as their controllers run them: a controller whose params leave out
-    `ttft_objective` holds the engine to `engine_ttft_objective` of the tightest class's
-    objective (users' time from arrival; the engine's is from dispatch)."""
-    objective = engine_ttft_objective(min(c.ttft_objective for c in cfg.classes.values()))
+    `ttft_objective` holds the engine (from dispatch) to `engine_ttft_objective` of the
+    classes' (from arrival)."""
+    objective = engine_ttft_objective(c.ttft_objective for c in cfg.classes.values())
     return [u if "ttft_objective" in u.params
             else u.model_copy(update={"params": {**u.params, "ttft_objective": objective}})
             for u in cfg.upstreams]

@@ -7,11 +7,12 @@ vLLM's first ones are slower still; after 2 s, alone, it read 70 tokens/s where 
 serves ~260, so "3x" was 0.8x and direct met it), then Poisson arrivals at 3x that for 60 s
 (after 5 s of warm-up; over 30 s the warm-up's users, served before direct's queue grew,
 still streamed through the first part of the window: direct read 0.29-0.47 of capacity over
-30 s and 0.22 over 60 s, as the issue measured) sent straight to vLLM, then through `kneegate serve --upstream URL`
-with no other flag; streaming, 128-token prompts, 64 output tokens; a user with no first
-token after 20 s gives up; a rejection is not retried. Goodput: output tokens of users whose
-first token came within 2 s of sending. The issue measured 0.23-0.25 of capacity direct and
-0.03-0.06 through kneegate's old default. About 5.5 minutes after vLLM is up.
+30 s and 0.22 over 60 s, as the issue measured) sent straight to vLLM, then through
+`kneegate serve --upstream URL` with no other flag; streaming, 128-token prompts, 64 output
+tokens; a user with no first token after 20 s gives up; a rejection is not retried.
+Goodput: output tokens of users whose first token came within 2 s of sending. The issue
+measured 0.23-0.25 of capacity direct and 0.03-0.06 through kneegate's old default. About
+5.5 minutes after vLLM is up.
 """
 
 from __future__ import annotations
