@@ -58,6 +58,8 @@ columns follow the measured users to their end. Columns:
   rejected   measured users answered other than 200 (never retried); rej p99 ms: their time
              from send to the status line
   TTFT p50/p99  from send, of the measured users who got a first token
+  TPOT p50   seconds per output token after the first, as completed answers streamed to
+             their users (goodput, judged by the first token, leaves it out; p99 in the JSON)
   gave up    measured users with no first token after `--give-up` s
   errors     measured users with a transport error, a cut stream, or past `--request-timeout`
   limit, in flight  the gateway's, medians of its /metrics read every 0.5 s of the measured
@@ -119,6 +121,14 @@ class Record:
     error: str | None = None
     key: str = ""  # the API key it sent (`--keys`), "" for none
     retry_after: bool = False  # a rejection that said when to come back
+    last: float | None = None  # the last token
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first, as the user saw them stream."""
+        if self.ttft is None or self.last is None or self.tokens < 2:
+            return None
+        return (self.last - self.ttft) / (self.tokens - 1)
 
 
 # -- the client ----------------------------------------------------------------------------
@@ -180,6 +190,7 @@ class _Client:
                     # a first token: the user stays until the answer ends (bounded)
                     bound.reschedule(sent_loop + self.args.request_timeout)
                 rec.tokens += 1
+                rec.last = now - sent
                 if self.window[0] <= now < self.window[1]:
                     rec.window_tokens += 1
         if usage is not None:
@@ -292,6 +303,7 @@ def summarize(users: list[Record], seconds: float, capacity_tok_s: float,
     first = [r for r in recs if r.ttft is not None]
     rejected = [r for r in recs if r.status is not None and r.status != 200 and not r.gave_up]
     statuses: dict[str, int] = collections.Counter(str(r.status) for r in rejected)
+    tpots = [t for r in recs if r.done and (t := r.tpot) is not None]
     goodput = good / seconds
     return {
         "users": len(recs),
@@ -304,6 +316,9 @@ def summarize(users: list[Record], seconds: float, capacity_tok_s: float,
         "rejection_p99_ms": _ms(_pct([r.answer for r in rejected if r.answer is not None], 99)),
         "ttft_p50_ms": _ms(_pct([r.ttft for r in first if r.ttft is not None], 50)),
         "ttft_p99_ms": _ms(_pct([r.ttft for r in first if r.ttft is not None], 99)),
+        # the answers' streaming speed, which goodput (judged by the first token) leaves out
+        "tpot_p50_ms": _ms(_pct(tpots, 50)),
+        "tpot_p99_ms": _ms(_pct(tpots, 99)),
         "gave_up": sum(r.gave_up for r in recs),
         "errors": sum(r.error is not None for r in recs),
     }
@@ -369,7 +384,8 @@ def _ms(x: float | None) -> float | None:
 
 _COLS = (f"{'arm':<16}{'load':>5}{'offered':>9}{'goodput':>9}{'/cap':>6}{'/direct':>8}"
          f"{'done tok/s':>11}"
-         f"{'rejected':>9}{'rej p99 ms':>11}{'TTFT p50':>9}{'TTFT p99':>9}{'gave up':>8}"
+         f"{'rejected':>9}{'rej p99 ms':>11}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}"
+         f"{'gave up':>8}"
          f"{'errors':>7}{'limit':>7}{'in flight':>10}")
 
 
@@ -382,7 +398,7 @@ def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
             f"{f(s.get('goodput_over_direct_done'), '.2f'):>8}{s['completed_tok_s']:>11.0f}"
             f"{s['rejected']:>9d}{f(s['rejection_p99_ms'], '.0f'):>11}"
             f"{f(s['ttft_p50_ms'], '.0f'):>9}{f(s['ttft_p99_ms'], '.0f'):>9}"
-            f"{s['gave_up']:>8d}{s['errors']:>7d}"
+            f"{f(s['tpot_p50_ms'], '.0f'):>9}{s['gave_up']:>8d}{s['errors']:>7d}"
             f"{f(s.get('limit_p50'), '.0f'):>7}{f(s.get('in_flight_p50'), '.0f'):>10}")
 
 

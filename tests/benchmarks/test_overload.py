@@ -35,9 +35,9 @@ def test_summarize_judges_by_the_users_clock() -> None:
         return Record(True, 200, 0.01, ttft, 64, window, **kw)  # type: ignore[arg-type]
 
     recs = [
-        ok(0.5, 64, done=True),  # good
-        ok(1.9, 30, done=True),  # good; 34 tokens came after the window
-        ok(3.0, 64, done=True),  # late: not goodput
+        ok(0.5, 64, done=True, last=0.5 + 63 * 0.02),  # good; 20 ms a token
+        ok(1.9, 30, done=True, last=1.9 + 63 * 0.04),  # good; 34 tokens came after the window
+        ok(3.0, 64, done=True),  # late: not goodput; no last token seen: no TPOT
         Record(True, 200, 0.01, 1.0, 10, 10, error="cut"),  # good, partial
         Record(True, status=429, answer=0.004),
         Record(True, status=503, answer=0.040),
@@ -54,6 +54,7 @@ def test_summarize_judges_by_the_users_clock() -> None:
     assert s["rejected"] == 2 and s["rejected_by_status"] == {"429": 1, "503": 1}
     assert s["rejection_p99_ms"] == pytest.approx(39.64)
     assert s["ttft_p50_ms"] == pytest.approx(1450.0)
+    assert s["tpot_p50_ms"] == pytest.approx(30.0) and s["tpot_p99_ms"] == pytest.approx(39.8)
     assert s["gave_up"] == 1 and s["errors"] == 2
 
 
@@ -142,6 +143,7 @@ def test_users_below_capacity_are_all_served_within_the_objective(emulator) -> N
     assert all(r.status == 200 and r.done and r.tokens == 64 for r in recs)
     assert 0 < sum(r.window_tokens for r in users) <= 64 * len(users)
     assert all(r.ttft is not None and r.answer is not None and r.ttft < 2.0 for r in recs)
+    assert all(r.tpot is not None and 0 < r.tpot < 0.5 for r in recs)  # each answer streamed
 
 
 @asynccontextmanager
