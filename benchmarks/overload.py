@@ -461,16 +461,22 @@ def _wait_idle(url: str, limit: float = IDLE_WAIT_S) -> float:
     window: engine in-flight 56 where it held 14). No such series: no wait."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit:
-        try:
-            with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-                totals = metric_totals(r.read().decode())
-        except OSError:
-            return time.monotonic() - t0
-        series = [totals.get(f"vllm:num_requests_{s}") for s in ("running", "waiting")]
-        if None in series or sum(x or 0.0 for x in series) == 0:
+        if not engine_holds(url):
             return time.monotonic() - t0
         time.sleep(0.25)  # another process's state, read over HTTP: no event to wait on
     raise RuntimeError(f"{url} still busy {limit:g} s after the last cell")
+
+
+def engine_holds(url: str) -> float | None:
+    """The requests an engine runs and queues, by vLLM's series on its /metrics; None when
+    it does not answer with them."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            totals = metric_totals(r.read().decode())
+    except OSError:
+        return None
+    series = [totals.get(f"vllm:num_requests_{s}") for s in ("running", "waiting")]
+    return None if None in series else sum(x or 0.0 for x in series)
 
 
 @contextlib.contextmanager

@@ -226,10 +226,11 @@ class Knee(Windowed):
             # neither beyond the level whose TTFT p90, if it grew with the level, would meet
             # its objective: where every prefill queues behind the others (vLLM's CPU build:
             # TTFT 1 s at 8 running, 2 s at 16) the TTFT grows in step. There, at 3x, 16 with
-            # a TTFT p90 of 1.35-1.94 s doubled to 32 (2.7-2.9 s) and the limit came back
-            # over ~30 s: users' TTFT p99 from send 3.0-3.6 s, 2.0-2.4 s with this rule, and
-            # goodput 1.05-1.28x in three runs side by side (docs/benchmarks.md). Where TTFT
-            # is far under its objective (every scenario of the simulator) it never binds.
+            # a TTFT p90 (dispatch to first token) of 1.35-1.94 s doubled to 32 (2.7-2.9 s) and
+            # the limit came back over ~30 s: users' TTFT p99 from send 3.0-3.6 s, 2.0-2.4 s
+            # with this rule, and goodput 1.05-1.28x in three runs side by side
+            # (docs/benchmarks.md). Where TTFT is far under its objective (every scenario of
+            # the simulator) it never binds.
             grow = target if self._probing else self._grow(level)
             if w.ttft_p90:  # no further than where TTFT, grown in step, meets its objective
                 grow = min(grow, max(self._limit, self._limit * c.ttft_objective / w.ttft_p90))

@@ -18,8 +18,8 @@ import pytest
 from kneegate.benchmarks.overload import (
     Record,
     _wait_idle,
+    engine_holds,
     main,
-    metric_totals,
     parse_arms,
     parse_keys,
     parser,
@@ -119,7 +119,7 @@ def test_a_cell_on_a_shared_engine_waits_for_the_last_cells_requests_to_end(
     worker.start()
     try:
         deadline = time.monotonic() + 10  # until the engine shows it running
-        while metric_totals(_metrics(url)).get("vllm:num_requests_running") != 1.0:
+        while engine_holds(url) != 1.0:
             assert time.monotonic() < deadline and worker.is_alive()
             time.sleep(0.01)
         waited = _wait_idle(url, limit=30)
@@ -128,11 +128,6 @@ def test_a_cell_on_a_shared_engine_waits_for_the_last_cells_requests_to_end(
         worker.join(30)
     assert waited > 0 and done and done[0] <= returned
     assert _wait_idle(url) < 1.0  # idle: at once
-
-
-def _metrics(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-        return r.read().decode()
 
 
 def test_users_below_capacity_are_all_served_within_the_objective(emulator) -> None:  # type: ignore[no-untyped-def]
