@@ -54,6 +54,9 @@ columns follow the measured users to their end. Columns:
              offered to it; at 1.5x, the tokens that could be served (the closed-loop
              capacity is measured without the gateway's and this client's CPU beside the
              emulator on these 2 cores)
+  SLO gp     goodput of the users who also saw their answer stream at most
+             `--tpot-objective` (0.1) s a token: both objectives met, as DistServe and
+             `vllm bench serve --goodput ttft:2000 tpot:100` count goodput (here in tokens)
   done tok/s output tokens/s received by users whose answer completed ([DONE])
   rejected   measured users answered other than 200 (never retried); rej p99 ms: their time
              from send to the status line
@@ -296,9 +299,19 @@ def _pct(values: list[float], q: int) -> float | None:
 
 
 def summarize(users: list[Record], seconds: float, capacity_tok_s: float,
-              objective: float) -> dict[str, Any]:
-    """One table row's figures: token rates by the clock, the rest over the measured users."""
-    good = sum(r.window_tokens for r in users if r.ttft is not None and r.ttft <= objective)
+              objective: float, tpot_objective: float | None = None) -> dict[str, Any]:
+    """One table row's figures: token rates by the clock, the rest over the measured users.
+
+    With `tpot_objective`, also the goodput of users who met both objectives: first token
+    within `objective` and their answer streamed at most `tpot_objective` s a token (so far,
+    for an answer still streaming; a one-token answer has no TPOT to miss). That is
+    DistServe's goodput, and `vllm bench serve --goodput ttft:MS tpot:MS`'s, in tokens.
+    """
+    on_time = [r for r in users if r.ttft is not None and r.ttft <= objective]
+    good = sum(r.window_tokens for r in on_time)
+    slo_good = (None if tpot_objective is None else
+                sum(r.window_tokens for r in on_time
+                    if (t := r.tpot) is None or t <= tpot_objective) / seconds)
     recs = [r for r in users if r.measured]
     first = [r for r in recs if r.ttft is not None]
     rejected = [r for r in recs if r.status is not None and r.status != 200 and not r.gave_up]
@@ -309,6 +322,7 @@ def summarize(users: list[Record], seconds: float, capacity_tok_s: float,
         "users": len(recs),
         "goodput_tok_s": goodput,
         "goodput_over_capacity": goodput / capacity_tok_s if capacity_tok_s > 0 else None,
+        "slo_goodput_tok_s": slo_good,  # first token and TPOT both within their objectives
         "completed_tok_s": sum(r.window_tokens for r in users if r.done) / seconds,
         "completed": sum(r.done for r in recs),
         "rejected": len(rejected),
@@ -383,7 +397,7 @@ def _ms(x: float | None) -> float | None:
 
 
 _COLS = (f"{'arm':<16}{'load':>5}{'offered':>9}{'goodput':>9}{'/cap':>6}{'/direct':>8}"
-         f"{'done tok/s':>11}"
+         f"{'SLO gp':>7}{'done tok/s':>11}"
          f"{'rejected':>9}{'rej p99 ms':>11}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}"
          f"{'gave up':>8}"
          f"{'errors':>7}{'limit':>7}{'in flight':>10}")
@@ -395,7 +409,8 @@ def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
 
     return (f"{arm:<16}{load:>5g}{offered:>9.1f}{s['goodput_tok_s']:>9.0f}"
             f"{f(s['goodput_over_capacity'], '.2f'):>6}"
-            f"{f(s.get('goodput_over_direct_done'), '.2f'):>8}{s['completed_tok_s']:>11.0f}"
+            f"{f(s.get('goodput_over_direct_done'), '.2f'):>8}"
+            f"{f(s.get('slo_goodput_tok_s'), '.0f'):>7}{s['completed_tok_s']:>11.0f}"
             f"{s['rejected']:>9d}{f(s['rejection_p99_ms'], '.0f'):>11}"
             f"{f(s['ttft_p50_ms'], '.0f'):>9}{f(s['ttft_p99_ms'], '.0f'):>9}"
             f"{f(s['tpot_p50_ms'], '.0f'):>9}{s['gave_up']:>8d}{s['errors']:>7d}"
@@ -614,7 +629,8 @@ def _run(args: argparse.Namespace) -> Report:
             with _serving(arm, args.profile, args.upstream, args.start_vllm) as url:
                 recs = asyncio.run(run_cell(url, rate, args, seed=args.seed + int(load * 1000),
                                             watched=watched))
-            s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective)
+            s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective,
+                          args.tpot_objective)
             s.update(gateway_medians(watched or {}))
             if arm.name == "direct":
                 direct_done = s["completed_tok_s"]
@@ -639,6 +655,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seconds", type=float, default=60.0, help="measured arrivals per cell")
     ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured arrivals first")
     ap.add_argument("--objective", type=float, default=2.0, help="TTFT from send, seconds")
+    ap.add_argument("--tpot-objective", type=float, default=0.1,
+                    help="seconds a token after the first, for the SLO goodput column (the "
+                    "controllers' default tpot_objective)")
     ap.add_argument("--give-up", type=float, default=20.0, help="no first token by then: leave")
     ap.add_argument("--request-timeout", type=float, default=60.0,
                     help="a user's whole time, and the most a cell drains")
