@@ -432,7 +432,7 @@ class _Sim:
         self.all.append(r)
         # the true prompt size: the gateway's bytes / 4 differs by a constant factor, and
         # knee uses ratios of sizes only (the queue tells the controller, as in the gateway)
-        ticket = r.ticket = Ticket(cls, t, payload=r, tokens=prompt,
+        ticket = r.ticket = Ticket(cls, t, payload=r, tokens=prompt, streamed=True,
                                    tenant=self.tenants.get(tenant, ANONYMOUS))
         verdict = self.queues[gw].offer(ticket, t)
         if isinstance(verdict, Admitted):
@@ -475,6 +475,11 @@ class _Sim:
             r.tokens += ev.new_tokens
             if ev.first:
                 r.first = now
+                assert r.ticket is not None
+                # as the gateway's tap: the engine's prefill backlog is one shorter
+                for ticket in self.queues[r.gateway].first_token(r.ticket, now):
+                    if now < self.sc.duration:
+                        self._dispatch(ticket, now)
             if ev.finished is None:
                 continue
             del self.reqs[r.id]

@@ -9,6 +9,9 @@ very code.
                         -> tickets newly dispatched because its slot (and tokens) freed
                            (= free + note_completion(now) + the sample + pump(now))
     charge(ticket, n, now) -> n more output tokens of a ticket in flight, for fair shares
+    first_token(ticket, now)
+                        -> tickets newly dispatched because a streamed ticket's first token
+                           came (its engine's prefill backlog shrank)
     tick(now, ups)      -> (dispatched, expired): the controllers' tick, pump, expire
     engine_stats(up, s) -> one scrape of the engine's own metrics, to its controller
     pump(now)           -> tickets dispatched because a limit grew
@@ -32,6 +35,21 @@ after waiting (the prediction, and why a quarter: `gateway.admission_wait`). A
 queued request leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its
 objective less the engine's TTFT has passed, and is never dispatched after that: the engine
 does no work for a user who will see a miss or has left.
+
+The engine's prefill backlog is bounded too. On an engine whose prefill costs as much as the
+decode that follows it (vLLM's CPU build: ~0.12 s a 128-token prompt), requests dispatched
+together are prefilled one after another: the last of a wave of 16 got its first token ~2 s
+after dispatch, on every wave, since answers of one length started together end together.
+So an upstream takes another request only while fewer of its streamed requests await their
+first token than `prefill_cap`. Each first token tells the upstream's `PrefillLine` the
+backlog its request found at dispatch and its TTFT; the line fitted through them gives the
+backlog whose TTFT stays within the tightest class's queue budget (a quarter of its
+objective, 0.5 s by default). No cap until 8 first tokens, while the backlog has not varied,
+or where the TTFT does not grow with it (a GPU prefilling a batch in one step); and never
+below what frees of the limit while one request awaits its first token (`_refill`). The
+queue, not the engine, then holds what the engine cannot yet prefill, where its wait is
+predicted and bounded. A non-streamed request (no `"stream": true`) shows no first token
+and is not counted. Measured in docs/benchmarks.md ("The prefill backlog").
 
 The safety net, for when the prediction is wrong (capacity fell, prompts grew, other
 gateways share the engine): while a class's queue stands (`StandingQueue`: every head has
@@ -123,6 +141,8 @@ class AdmissionQueue:
     _net: StandingQueue = field(default_factory=StandingQueue, init=False)  # the safety net
     demand: Demand = field(default_factory=Demand, init=False)  # the scale-out signal's sums
     _buckets: TokenBuckets = field(default_factory=TokenBuckets, init=False)  # tokens a minute
+    # seconds of prefill an upstream may be handed: the tightest class's queue budget
+    _prefill_horizon: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         self.reconfigure(self.classes, self.max_queue, self.upstreams)
@@ -150,6 +170,9 @@ class AdmissionQueue:
         rank = {n: self.classes[n].priority if n in self.classes else _DRAINING
                 for n in self._queues}
         self._order = sorted(self._queues, key=lambda n: -rank[n])
+        budgets = [c.queue_budget * c.ttft_objective for c in self.classes.values()
+                   if math.isfinite(c.ttft_objective)]
+        self._prefill_horizon = min(budgets, default=0.0)
 
     def capacity(self, cls: str) -> int:
         share = self.classes[cls].queue_share
@@ -376,6 +399,33 @@ class AdmissionQueue:
         self._unplace(ticket, up)
         self._queues[ticket.cls].refund(ticket)
 
+    def first_token(self, ticket: Ticket, now: float) -> list[Ticket]:
+        """A dispatched ticket's first token came: its engine's prefill backlog is one
+        shorter. The upstream's TTFT line learns of it (the backlog it found, its TTFT) and
+        its `prefill_cap` is recomputed; what now fits is dispatched. A later call for it
+        does nothing."""
+        up = ticket.upstream
+        if not ticket.awaiting_first or up is None:
+            return []
+        ticket.awaiting_first = False
+        up.prefilling -= 1
+        assert ticket.dispatched_at is not None, "a dispatched ticket has its time"
+        up.prefill_line.note(ticket.backlog_at_dispatch, now - ticket.dispatched_at)
+        cap = up.prefill_line.cap(self._prefill_horizon) if self._prefill_horizon > 0 else 0
+        up.prefill_cap = max(cap, self._refill(up)) if cap else 0
+        return self.pump(now)
+
+    def _refill(self, up: UpstreamState) -> int:
+        """The slots of `up`'s limit that free while one request awaits its first token:
+        its limit x the engine's TTFT / the mean answer's duration, rounded up. The cap is
+        never below it, or the cap itself would keep the limit unfilled: where the TTFT is
+        long for another reason than the backlog (a full KV cache), the line's base alone
+        can be over the horizon."""
+        duration = self._wait.duration
+        if not duration:
+            return 1
+        return math.ceil(up.controller.limit * self._wait.engine_ttft / duration)
+
     def note_completion(self, now: float) -> None:
         """A request finished on an engine: the completion rate's evidence."""
         self._wait.completions.note(now)
@@ -542,12 +592,19 @@ class AdmissionQueue:
         no charge)."""
         up.free(ticket.tokens)
         self._flying.pop(ticket, None)
+        if ticket.awaiting_first:
+            ticket.awaiting_first = False
+            up.prefilling -= 1
 
     def _place(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
         if up.inflight == 0 and not any(u.inflight for u in self.upstreams):
             self._wait.completions.resume(now)  # busy again after idle
         up.inflight += 1  # `up.take`, inline
         up.inflight_tokens += ticket.tokens
+        if ticket.streamed:
+            ticket.backlog_at_dispatch = up.prefilling
+            up.prefilling += 1
+            ticket.awaiting_first = True
         ticket.upstream = up
         ticket.dispatched_at = now
         ticket.inflight_at_admit = up.inflight

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kneegate.controllers.base import Controller
+from kneegate.gateway.admission_wait import PrefillLine
 
 __all__ = [
     "Admitted",
@@ -59,9 +60,11 @@ class ClassPolicy:
 class UpstreamState:
     """One engine as admission sees it: its controller and its live in-flight count.
 
-    It has room for a ticket while its in-flight count is under its controller's `limit`
-    and the controller `fits` the ticket's prompt-size estimate beside the sizes already in
-    flight there (a token budget; most controllers count requests only)."""
+    It has room for a ticket while its in-flight count is under its controller's `limit`,
+    the controller `fits` the ticket's prompt-size estimate beside the sizes already in
+    flight there (a token budget; most controllers count requests only), and fewer of its
+    streamed requests await their first token than `prefill_cap` (0: no cap; set by the
+    queue from `prefill_line`: `AdmissionQueue.first_token`)."""
 
     name: str
     controller: Controller
@@ -69,6 +72,10 @@ class UpstreamState:
     usable: bool = True
     inflight_tokens: int = 0  # the in-flight requests' prompt-size estimates, summed
     refusing: bool = False  # its engine refused a request unstarted: full until a slot frees
+    prefilling: int = 0  # streamed requests dispatched here with no first token yet
+    prefill_cap: int = 0  # at most this many of them (0: no cap)
+    # its TTFT against the backlog each request found: what sets `prefill_cap`
+    prefill_line: PrefillLine = field(default_factory=PrefillLine)
 
     @property
     def fullness(self) -> float:
@@ -79,6 +86,8 @@ class UpstreamState:
         the limit, and within the controller's token budget. An idle upstream always has
         room for one, whatever its budget says: nothing else would ever run."""
         if not self.usable or self.refusing or self.inflight >= self.controller.limit:
+            return False
+        if self.prefill_cap and self.prefilling >= self.prefill_cap:
             return False
         return self.inflight == 0 or self.controller.fits(
             self.inflight, self.inflight_tokens, tokens
@@ -138,6 +147,9 @@ class Ticket:
     tenant: TenantPolicy = ANONYMOUS
     charged: float = 0.0  # what its tenant's fair-share counter was charged for it
     output_charged: int = 0  # of which output tokens, as they streamed
+    streamed: bool = False  # its answer streams: its first token is seen (`first_token`)
+    awaiting_first: bool = False  # dispatched, streamed, and no first token yet
+    backlog_at_dispatch: int = 0  # its upstream's streamed requests awaiting a first token
 
 
 def least_full(upstreams: list[UpstreamState], tokens: int,

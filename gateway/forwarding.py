@@ -34,6 +34,7 @@ __all__ = [
     "ALLOW", "FORWARDED_METHODS", "HOP_BY_HOP", "PROXIED_EXACT", "RESPONSE_DROP", "TTFT_HEADER",
     "VALVE", "ProxySettings", "ReadResponse", "forward_headers", "forward_target", "is_sse",
     "normalise_path", "parse_objective", "proxied_path", "remove_dot_segments", "small_body",
+    "wants_stream",
 ]
 
 # The methods of the OpenAI API, and what a proxy forwards for them (HEAD, OPTIONS).
@@ -187,6 +188,17 @@ def forward_headers(
         out.append((b"x-forwarded-for", xff))
     tenant = s.tenants.resolve(auth, tenant_value)
     return out, rid, s.classify(cls_value, auth, tenant), tenant, length, ttft
+
+
+_STREAM = re.compile(rb'"stream"\s*:\s*true')
+
+
+def wants_stream(body: bytes) -> bool:
+    """Whether an OpenAI request body asks for a streamed answer (`"stream": true`), by one
+    search of its bytes (nothing is JSON-parsed on the hot path). The text `"stream": true`
+    inside a prompt reads as asking too: that request then counts in its engine's prefill
+    backlog until it ends, never longer."""
+    return _STREAM.search(body) is not None
 
 
 def parse_objective(value: bytes | None) -> float:

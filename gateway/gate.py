@@ -132,13 +132,15 @@ class Gate:
         return self.queue.depth(cls) + self.handing.get(cls, 0)
 
     async def acquire(self, cls: str, tokens: int = 0, objective: float = math.inf,
-                      tenant: TenantPolicy = ANONYMOUS) -> Permit:
+                      tenant: TenantPolicy = ANONYMOUS, streamed: bool = False) -> Permit:
         """A permit now, a permit after waiting in the queue, or a Rejection raised.
         `tokens`: the prompt's size estimate, for controllers with a token budget;
         `objective`: the request's own TTFT objective, seconds (tightens its class's);
-        `tenant`: whom it is for (fair shares within the class, the tenant's caps)."""
+        `tenant`: whom it is for (fair shares within the class, the tenant's caps);
+        `streamed`: its answer streams, and `first_token` will be told of its first token."""
         now = self.clock()
-        ticket = Ticket(cls, now, tokens=tokens, ttft_objective=objective, tenant=tenant)
+        ticket = Ticket(cls, now, tokens=tokens, ttft_objective=objective, tenant=tenant,
+                        streamed=streamed)
         received = self._received.get(cls)
         if received is None:
             m = self.metrics
@@ -337,6 +339,12 @@ class Gate:
     def engine_stats(self, up: Upstream, stats: EngineStats) -> None:
         """One good scrape of `up`'s engine, for its controller (through the queue)."""
         self.queue.engine_stats(up, stats)
+
+    def first_token(self, permit: Permit) -> None:
+        """`permit`'s streamed answer sent its first token: its engine's prefill backlog
+        is one shorter, and what now fits there is dispatched."""
+        if not permit.done:
+            self._woken(self.queue.first_token(permit.ticket, self.clock()))
 
     def _pump(self, now: float) -> None:
         self._woken(self.queue.pump(now))

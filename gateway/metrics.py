@@ -97,6 +97,8 @@ class LiveUpstream(Protocol):
     inflight: int
     handing: int  # of `inflight`, slots whose caller has not resumed (counted as queued)
     usable: bool
+    prefilling: int  # streamed requests in flight with no first token yet
+    prefill_cap: int  # at most this many of them (0: no cap yet)
 
     @property
     def limit(self) -> int: ...
@@ -178,6 +180,14 @@ class _LiveCollector(Collector):
             "knee": GaugeMetricFamily(
                 "kneegate_knee_estimate", "Controller's knee estimate (NaN when none)",
                 labels=["upstream"]),
+            "prefilling": GaugeMetricFamily(
+                "kneegate_awaiting_first_token",
+                "Streamed requests in flight with no first token yet, per upstream",
+                labels=["upstream"]),
+            "prefill_cap": GaugeMetricFamily(
+                "kneegate_prefill_cap",
+                "Most streamed requests awaiting a first token per upstream (0: no cap yet)",
+                labels=["upstream"]),
         }
         engine = _engine_families()
         now = self._clock()
@@ -187,6 +197,8 @@ class _LiveCollector(Collector):
             families["in_flight"].add_metric([u.name], u.inflight - u.handing)
             families["usable"].add_metric([u.name], 1.0 if u.usable else 0.0)
             families["knee"].add_metric([u.name], math.nan if knee is None else knee)
+            families["prefilling"].add_metric([u.name], u.prefilling)
+            families["prefill_cap"].add_metric([u.name], u.prefill_cap)
             t = u.telemetry(now)
             if t is not None:
                 _add_engine(engine, u.name, t)

@@ -61,6 +61,7 @@ from kneegate.gateway.forwarding import (
     is_sse,
     parse_objective,
     small_body,
+    wants_stream,
 )
 from kneegate.gateway.gate import Gate, Permit
 from kneegate.gateway.tap import Tap
@@ -246,7 +247,7 @@ class Proxy:
         # controller's token budget.
         size = len(body) // 4
         try:
-            permit = await self.gate.acquire(cls, size, objective, tenant)
+            permit = await self.gate.acquire(cls, size, objective, tenant, wants_stream(body))
         except Rejection as exc:
             self.access.refused(rid, cls, exc, tenant.label)
             await send_error(send, exc, [(b"x-request-id", rid)])
@@ -260,7 +261,8 @@ class Proxy:
         outcome = Outcome.CLIENT_CANCELLED  # what a cancellation leaves behind
         try:
             resp = await self._open(ex, permit, scope, headers, body)
-            tap = ex.tap = Tap(self.clock, is_sse(resp.headers))
+            tap = ex.tap = Tap(self.clock, is_sse(resp.headers),
+                               partial(self.gate.first_token, permit))
             try:
                 await self._relay(ex, resp, tap, send, rid, writer)
             except TRANSPORT_ERRORS as exc:  # `with upstream_errors(...)`, without its calls

@@ -14,6 +14,7 @@ event per decoded token, so this is an estimate, good enough for TPOT.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from kneegate.gateway.types import Clock
 
@@ -39,11 +40,13 @@ _LAST_EVENTS = 3
 class Tap:
     """Watches one response body go by. `streaming` is decided from the content type."""
 
-    __slots__ = ("_clock", "_last", "_prev", "events", "first_at", "streaming")
+    __slots__ = ("_clock", "_last", "_on_first", "_prev", "events", "first_at", "streaming")
 
-    def __init__(self, clock: Clock, streaming: bool) -> None:
+    def __init__(self, clock: Clock, streaming: bool,
+                 on_first: Callable[[], None] | None = None) -> None:
         self._clock = clock
         self.streaming = streaming
+        self._on_first = on_first  # called once, when the first event goes by
         self.first_at: float | None = None
         self.events = 0
         self._prev = b""
@@ -54,6 +57,8 @@ class Tap:
             n = chunk.count(b"data:")
             if n and self.first_at is None:
                 self.first_at = self._clock()
+                if self._on_first is not None:
+                    self._on_first()
             self.events += n
         self._prev = self._last
         self._last = chunk

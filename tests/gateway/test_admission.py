@@ -18,6 +18,7 @@ from kneegate.gateway.admission_types import (
     Ticket,
     UpstreamState,
 )
+from kneegate.gateway.admission_wait import PrefillLine
 
 
 def pool(*limits: int) -> list[UpstreamState]:
@@ -409,3 +410,100 @@ def test_a_controller_that_raises_costs_its_update_never_a_slot() -> None:
     q.on_error = None  # without a handler, a bug is not hidden
     with pytest.raises(RuntimeError, match="broken on_tick"):
         q.tick(2.0)
+
+
+# -- the engine's prefill backlog -------------------------------------------------------------
+
+OBJ2 = {"default": ClassPolicy("default", ttft_objective=2.0)}  # budget 0.25: a 0.5 s horizon
+
+
+def streamed(at: float) -> Ticket:
+    return Ticket("default", at, streamed=True)
+
+
+def on_line(backlog: int) -> float:
+    """The TTFT of a request that found `backlog` ahead, on an engine whose 128-token
+    prefills queue: 0.1 s, and 0.12 s for each prompt ahead (vLLM's CPU build)."""
+    return 0.1 + 0.12 * backlog
+
+
+def test_the_line_allows_the_backlog_whose_ttft_stays_within_the_horizon() -> None:
+    line = PrefillLine()
+    for b in range(7):
+        line.note(b, on_line(b))
+    assert line.cap(0.5) == 0  # 7 first tokens: not yet
+    for b in range(7, 10):
+        line.note(b, on_line(b))
+    assert line.cap(0.5) == 4  # 0.1 + 0.12 x 3 <= 0.5 < 0.1 + 0.12 x 4
+    assert line.cap(2.0) == 16
+    assert line.cap(0.05) == 1  # even its base is over: one at a time
+
+
+def test_no_cap_where_the_ttft_does_not_grow_with_the_backlog_or_the_backlog_never_varied() -> None:
+    flat, still = PrefillLine(), PrefillLine()
+    for b in range(32):
+        flat.note(b, 0.05)  # a GPU prefills the batch in one step
+        still.note(0, 0.3)
+    assert flat.cap(0.5) == 0 and still.cap(0.5) == 0
+
+
+def test_an_upstream_takes_no_more_than_the_line_allows_awaiting_a_first_token() -> None:
+    up = pool(20)[0]
+    q = AdmissionQueue([up], OBJ2, max_queue=8)
+    wave = [streamed(0.0) for _ in range(10)]
+    assert all(isinstance(q.offer(t, 0.0), Admitted) for t in wave)  # nothing measured: no cap
+    assert [t.backlog_at_dispatch for t in wave] == list(range(10))
+    for t in wave[:8]:
+        assert q.first_token(t, on_line(t.backlog_at_dispatch)) == []
+    assert up.prefill_cap == 4 and up.prefilling == 2
+    now = on_line(7)
+    more = [streamed(now) for _ in range(3)]
+    assert [type(q.offer(t, now)) for t in more] == [Admitted, Admitted, Queued]
+    assert up.prefilling == 4  # the cap, with 10 of the limit's 20 slots free
+    assert q.first_token(wave[8], on_line(8)) == [more[2]]  # 3 await: the queue's head goes
+    assert up.prefilling == 4 and more[2].backlog_at_dispatch == 3
+
+
+def test_the_cap_never_keeps_the_limit_unfilled() -> None:
+    """Where the TTFT is long for another reason (a full KV cache), the line's base alone
+    is over the horizon; the cap stays at what frees while one request awaits its first
+    token: limit 20 x TTFT 1 s / a 4 s answer = 5."""
+    up = pool(20)[0]
+    q = AdmissionQueue([up], OBJ2, max_queue=8)
+    done = [streamed(0.0) for _ in range(4)]
+    for t in done:
+        q.offer(t, 0.0)
+        q.first_token(t, 1.0)
+        q.release(t, 4.0, make_sample(duration=4.0, ttft=1.0))
+    wave = [streamed(4.0) for _ in range(10)]
+    for t in wave:
+        q.offer(t, 4.0)
+    for t in wave[:8]:
+        q.first_token(t, 4.0 + 1.0 + 0.01 * t.backlog_at_dispatch)
+    assert up.prefill_line.cap(0.5) == 1
+    assert up.prefill_cap == 5
+
+
+def test_a_request_that_ends_before_its_first_token_leaves_the_backlog_once() -> None:
+    up = pool(4)[0]
+    q = AdmissionQueue([up], OBJ2, max_queue=8)
+    t, plain = streamed(0.0), Ticket("default", 0.0)  # `plain`: not streamed, never counted
+    q.offer(t, 0.0)
+    q.offer(plain, 0.0)
+    assert up.prefilling == 1 and not plain.awaiting_first
+    q.release(t, 1.0, make_sample(outcome=Outcome.UPSTREAM_ERROR, ttft=None))
+    assert up.prefilling == 0 and not t.awaiting_first
+    assert q.first_token(t, 1.1) == [] and up.prefilling == 0  # too late: nothing counted
+    assert up.prefill_line.count == 0
+
+
+def test_without_a_finite_objective_nothing_caps_the_backlog() -> None:
+    up = pool(20)[0]
+    q = AdmissionQueue([up], {"default": ClassPolicy("default")}, max_queue=8)
+    wave = [streamed(0.0) for _ in range(10)]
+    for t in wave:
+        q.offer(t, 0.0)
+    for t in wave[:9]:
+        q.first_token(t, on_line(t.backlog_at_dispatch))
+    assert up.prefill_cap == 0
+    assert isinstance(q.offer(streamed(2.0), 2.0), Admitted)
