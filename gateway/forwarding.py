@@ -195,9 +195,8 @@ _STREAM = re.compile(rb'"stream"\s*:\s*true')
 
 def wants_stream(body: bytes) -> bool:
     """Whether an OpenAI request body asks for a streamed answer (`"stream": true`), by one
-    search of its bytes (nothing is JSON-parsed on the hot path). The text `"stream": true`
-    inside a prompt reads as asking too: that request then counts in its engine's prefill
-    backlog until it ends, never longer."""
+    search of its bytes (nothing is JSON-parsed on the hot path). A prompt's text cannot
+    match: inside a JSON string its quotes are escaped (`\\"stream\\": true`)."""
     return _STREAM.search(body) is not None
 
 

@@ -5,6 +5,7 @@ counted. The cap's arithmetic is in test_admission.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import anyio
 import httpx
@@ -12,8 +13,19 @@ import pytest
 from helpers.gateway import FakeEngine, gw_config, scrape, serve, total
 
 from kneegate.gateway.app import build_app
+from kneegate.gateway.forwarding import wants_stream
 
-pytestmark = pytest.mark.anyio
+
+@pytest.mark.parametrize(("body", "streams"), [
+    ({"stream": True}, True),
+    ({"model": "m", "stream": False}, False),
+    ({"prompt": 'say "stream": true', "stream_options": {"include_usage": True}}, False),
+    ({}, False),
+])
+def test_a_body_asks_for_a_stream_only_by_its_own_key(body: dict[str, object],
+                                                      streams: bool) -> None:
+    assert wants_stream(json.dumps(body).encode()) is streams
+    assert wants_stream(json.dumps(body, separators=(",", ":")).encode()) is streams
 
 
 async def gauges(client: httpx.AsyncClient, gw: str) -> tuple[float, float]:
@@ -21,6 +33,7 @@ async def gauges(client: httpx.AsyncClient, gw: str) -> tuple[float, float]:
     return total(m, "kneegate_awaiting_first_token"), total(m, "kneegate_in_flight")
 
 
+@pytest.mark.anyio
 async def test_a_streamed_answer_awaits_its_first_token_and_a_plain_one_is_not_counted() -> None:
     engine = FakeEngine(interval=0.05, first_delay=1.0)
     async with serve(engine) as up:
