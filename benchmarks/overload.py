@@ -66,7 +66,8 @@ columns follow the measured users to their end. Columns:
   gave up    measured users with no first token after `--give-up` s
   errors     measured users with a transport error, a cut stream, or past `--request-timeout`
   limit, in flight  the gateway's, medians of its /metrics read every 0.5 s of the measured
-             window (kneegate arms; the JSON also has the knee estimate's, `knee_p50`)
+             window (kneegate arms; the JSON also has the knee estimate's, `knee_p50`, and
+             the prefill backlog's cap, `prefill_cap_p50`)
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ class _Client:
             rec.error = "cut"
 
 
-_WATCHED = ("kneegate_limit", "kneegate_in_flight", "kneegate_knee_estimate")
+_WATCHED = ("kneegate_limit", "kneegate_in_flight", "kneegate_knee_estimate",
+            "kneegate_prefill_cap")
 
 
 async def _watch_gateway(session: aiohttp.ClientSession, url: str, start: float, end: float,
@@ -348,13 +350,15 @@ def metric_totals(text: str) -> dict[str, float]:
 
 
 def gateway_medians(watched: dict[str, list[float]]) -> dict[str, float | None]:
-    """The medians of what `_watch_gateway` read: limit_p50, in_flight_p50, knee_p50."""
+    """The medians of what `_watch_gateway` read: limit_p50, in_flight_p50, knee_p50 and
+    prefill_cap_p50 (0: no cap on the engine's prefill backlog)."""
     def med(name: str) -> float | None:
         values = watched.get(name)
         return statistics.median(values) if values else None
 
     return {"limit_p50": med("kneegate_limit"), "in_flight_p50": med("kneegate_in_flight"),
-            "knee_p50": med("kneegate_knee_estimate")}
+            "knee_p50": med("kneegate_knee_estimate"),
+            "prefill_cap_p50": med("kneegate_prefill_cap")}
 
 
 def parse_keys(text: str | None) -> dict[str, float]:

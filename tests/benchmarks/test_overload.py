@@ -245,6 +245,7 @@ def test_the_benchmark_in_miniature(tmp_path: Path, capsys: pytest.CaptureFixtur
     # the gateway's own gauge, read over the window; the engine alone has none
     assert gated["limit_p50"] == 16 and direct["limit_p50"] is None
     assert 0 <= gated["in_flight_p50"] <= 16
+    assert gated["prefill_cap_p50"] is not None and direct["prefill_cap_p50"] is None
     assert gated["goodput_over_direct_done"] == pytest.approx(
         gated["goodput_tok_s"] / direct["completed_tok_s"])
 
