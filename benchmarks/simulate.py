@@ -477,9 +477,8 @@ class _Sim:
                 r.first = now
                 assert r.ticket is not None
                 # as the gateway's tap: the engine's prefill backlog is one shorter
-                for ticket in self.queues[r.gateway].first_token(r.ticket, now):
-                    if now < self.sc.duration:
-                        self._dispatch(ticket, now)
+                q = self.queues[r.gateway]
+                self._pumped(q, q.first_token(r.ticket, now), now)
             if ev.finished is None:
                 continue
             del self.reqs[r.id]
@@ -488,12 +487,17 @@ class _Sim:
             sample = Sample(r.dispatched, now - r.dispatched, r.first - r.dispatched, r.prompt,
                             r.tokens, r.inflight_at_admit, Outcome.OK)
             assert r.ticket is not None
-            admitted = q.release(r.ticket, now, sample)
-            for ticket in q.take_late():
-                ticket.payload.fate = "timeout"
-            if now < self.sc.duration:  # draining: what was queued stays undispatched
-                for ticket in admitted:
-                    self._dispatch(ticket, now)
+            self._pumped(q, q.release(r.ticket, now, sample), now)
+
+    def _pumped(self, q: AdmissionQueue, dispatched: list[Ticket], now: float) -> None:
+        """What a pump of `q` decided, outside the tick: the heads it set aside past their
+        objective time out, and `dispatched` go to the engine (draining: what was queued
+        stays undispatched)."""
+        for ticket in q.take_late():
+            ticket.payload.fate = "timeout"
+        if now < self.sc.duration:
+            for ticket in dispatched:
+                self._dispatch(ticket, now)
 
 
 def demand_ratio(queues: Sequence[AdmissionQueue], now: float) -> float:

@@ -342,9 +342,8 @@ class Gate:
 
     def first_token(self, permit: Permit) -> None:
         """`permit`'s streamed answer sent its first token: its engine's prefill backlog
-        is one shorter, and what now fits there is dispatched."""
-        if not permit.done:
-            self._woken(self.queue.first_token(permit.ticket, self.clock()))
+        is one shorter, and what now fits there is dispatched (nothing, once it ended)."""
+        self._woken(self.queue.first_token(permit.ticket, self.clock()))
 
     def _pump(self, now: float) -> None:
         self._woken(self.queue.pump(now))
