@@ -50,19 +50,32 @@ async def test_parser_reads_vllms_real_metric_names(vllm: VllmServer) -> None:
 async def test_gateway_scrapes_vllm_and_shows_a_running_request(vllm: VllmServer) -> None:
     app = build_app(parse_config({"tick_interval": 0.02, "upstreams": [{
         "name": "vllm", "url": vllm.url, "controller": "fixed", "params": {"initial": 4},
-        "scrape": True, "scrape_interval": 0.5, "stale_after": 3.0}]}))
-    # ~5 s on a quiet machine: seen running by several scrapes. The waits below are long
-    # because on 2 busy cores vLLM's API server may answer a scrape late or not at all.
-    long = {**REQ, "max_tokens": 400, "stream": True}
+        "scrape": True, "scrape_interval": 0.2, "stale_after": 3.0}]}))
+    # One long answer after another until a scrape has seen one running. On a fast machine
+    # vLLM's CPU build decodes 400 tokens in under a second, which one answer alone can
+    # spend between two scrapes (CI saw that once); on 2 busy cores vLLM's API server may
+    # answer a scrape late or not at all, hence the long waits.
+    long = {**REQ, "max_tokens": 900, "stream": True}
+    found = anyio.Event()
+    tails: list[bytes] = []
+
+    async def keep_busy(client: httpx.AsyncClient, gw: str) -> None:
+        for _ in range(40):  # bounded: the wait below gives up after 30 s anyway
+            async with client.stream("POST", gw + "/v1/completions", json=long) as r:
+                assert r.status_code == 200
+                tails.append(b"".join([c async for c in r.aiter_raw()])[-64:])
+            if found.is_set():
+                return
+
     async with serve(app) as gw, httpx.AsyncClient(timeout=60) as client:
-        async with client.stream("POST", gw + "/v1/completions", json=long) as r:
-            assert r.status_code == 200
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keep_busy, client, gw)
             seen = await _wait_status(
                 client, gw, lambda e: e.get("running", 0) >= 1 and not e["stale"], 30)
-            chunks = [c async for c in r.aiter_raw()]
+            found.set()
         idle = await _wait_status(client, gw, lambda e: e.get("running") == 0, 30)
         m = scrape((await client.get(gw + "/metrics")).text)
-    assert b"data: [DONE]" in b"".join(chunks)
+    assert tails and all(b"data: [DONE]" in t for t in tails)
     assert not seen["stalled"]  # progress: the counter advanced while it ran
     assert idle["generation_tokens_total"] >= seen["generation_tokens_total"] + 1
     assert total(m, "kneegate_engine_scrapes_total", outcome="ok") >= 2
