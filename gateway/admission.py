@@ -29,7 +29,8 @@ The queue is bounded by time as well as by count. Each class has a TTFT objectiv
 from a request's arrival to its first token (a request may carry a tighter one). On offer,
 a request that cannot be admitted at once is refused (429 `over_objective`) when its
 predicted wait in the queue, (queued ahead + 1) / the measured completion rate but no less
-than the oldest answer in flight has left to run (`_first_free`), is more than its class's
+than the oldest answer in flight has left to run (`_first_free`; before four answers have
+ended, (ahead + 1) x the oldest's age / in flight: `_cold_wait`), is more than its class's
 `queue_budget` (0.25) of the objective less the engine's recent TTFT: told at once, not
 after waiting (the prediction, and why a quarter: `gateway.admission_wait`). A
 queued request leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its
@@ -276,8 +277,22 @@ class AdmissionQueue:
         but not before the oldest request in flight is likely to end (`_first_free`)."""
         wait = self._wait.queue_wait(ahead)
         if wait is None:
-            return None
+            return self._cold_wait(ahead, now)
         return max(wait, self._first_free(now))
+
+    def _cold_wait(self, ahead: int, now: float) -> float | None:
+        """The wait predicted before the completion rate is measured (a cold start): the
+        requests in flight free their slots no faster than one each for as long as the
+        oldest has run without an answer ending, `ahead + 1` x that age / in flight. None
+        with nothing in flight. It is a guess on the short side (a younger request may end
+        sooner), and it starts at 0: a burst onto a fresh gateway is queued as before,
+        and only time that passes with no answer ending refuses."""
+        if not self._flying:
+            return None
+        at = next(iter(self._flying)).dispatched_at
+        if at is None:
+            return None
+        return (ahead + 1) * (now - at) / len(self._flying)
 
     def _first_free(self, now: float) -> float:
         """Seconds until the oldest request in flight has run the mean duration (0 when it

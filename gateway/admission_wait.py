@@ -57,17 +57,31 @@ have been served. Prompt-growth over seeds 1-7, goodput / oracle, mean 1.61 -> 1
 Its time to settle went past 15 s at 2 of 7 seeds instead of 1. The excess was read from the
 instant's limit, which a controller may take back.
 
-Also tried and dropped: a prediction before the first four answers end (a cold start). Until
-then nothing is refused for its objective, and under sustained overload a fresh gateway
-queues to its count: in every wall-clock run at 3x, ~20 requests of the first 2 s wait out
-their objective and are answered 503 (the benchmark's warm-up; counted nowhere else). The
-rule tried queued one round of the limits' slots unpredicted and guessed past it that each
-slot frees once a second, as Retry-After does; at the default budget (a quarter of 2 s) that
-refuses everything past the first round. It also refused what a cold gateway served in time
-before: every burst of two or three times the limit onto a fast engine (a dozen tests, over
-sockets and in-process, e.g. 8 requests at a limit of 4 answering in milliseconds). The
-window is the first few answers either way; the 503s it would save come after 2 s of
-sustained overload, the 429s it would add in the first burst onto any fresh gateway.
+Before the first four answers end (a cold start) there is no completion rate. Under
+sustained overload a fresh gateway then queued to its count, and requests waited out their
+objective: on the simulator's L4 (answers of ~256 tokens, the first ending ~13 s after the
+start), 5-16% of all requests in the overload scenarios were answered 503 after waiting, at
+seeds 7 and 1. The prediction now used until then (`AdmissionQueue._cold_wait`) reads the
+time that has passed: no answer ended while the oldest in flight ran, so the n in flight
+free their slots no faster than n per that age. It starts at 0, so a burst onto a fresh
+gateway is queued as before (e.g. 8 requests at a limit of 4 on a fast engine), and only
+time without an answer refuses. With it those 503s fell to 0-1% of requests in every
+scenario at both seeds (`python -m kneegate.benchmarks.simulate --scenario all --controllers
+knee --seed N`, the `t/out` column). Its price is the wave it cannot see coming: when the
+first answers all end together, the guess has refused the requests that would have taken
+their slots. capacity-drop read 1.074 -> 1.048 at both seeds (over seeds 1-7, mean 1.068 ->
+1.051); prompt-growth, whose figure swings by 0.1 from seed to seed, 1.595 -> 1.426 and
+1.467 -> 1.373 (seeds 1-7, mean 1.46 -> 1.45); the rest within 0.04 either way. On the
+emulator fitted to vLLM's CPU build at 3x (`python -m kneegate.benchmarks.overload --profile
+cpu-tiny-avx2 --arms kneegate --loads 3 --seconds 30 --capacity 310 --seed N`, N = 1, 2, 3,
+with the busy clock above), 503s 17 / 2 / 2 -> 2 / 2 / 2, rejections answered in 1129 / 14
+/ 5 -> 7 / 3 / 9 ms at p99, goodput the same (230 / 233 / 233 -> 234 / 231 / 233 tokens/s).
+
+A first rule, tried and dropped, queued one round of the limits' slots unpredicted and
+guessed past it that each slot frees once a second, as Retry-After does; at the default
+budget (a quarter of 2 s) that refused everything past the first round. It also refused what
+a cold gateway served in time before: every burst of two or three times the limit onto a
+fast engine (a dozen tests, over sockets and in-process).
 """
 
 from __future__ import annotations
@@ -91,6 +105,16 @@ class CompletionRate:
     Time with nothing in flight is not counted (`resume`): an idle engine is no slower.
     Counted, the first completion after 20 s idle cut the rate to a quarter, and the
     predicted wait refused most of the next burst as over its objective.
+
+    The busy time starts at the dispatch that made the engine busy, not at the first
+    completion. Answers of one length sent together end together: the first 16 on the
+    emulator fitted to vLLM's CPU build ended within 0.3 s of each other, 7 s after they
+    were sent. Counted from the first of them the rate read 29/s, against the 4-5/s the
+    engine served, and the queue took requests it could then not start in time. In a
+    traced run at 3x (seed 11 of a script around `benchmarks.overload.run_cell`, 30 s), 4
+    of the 6 503s came so, ~1 s after arrival, and put the rejections' p99 at 992 ms;
+    counted from the dispatch, such a wave reads 2.7/s (16 answers over 7.3 s, the EWMA
+    weighing its end above its start), and the same run had 2 503s and a p99 of 8.5 ms.
     """
 
     half_life: float = 10.0
@@ -114,8 +138,9 @@ class CompletionRate:
         self.span += dt
 
     def resume(self, now: float) -> None:
-        """Work starts again after a time with nothing in flight: that time is skipped."""
-        if self.last is not None and now > self.last:
+        """Work starts (again) after a time with nothing in flight: that time is skipped,
+        and the busy time the completions are counted over starts here."""
+        if self.last is None or now > self.last:
             self.last = now
 
     @property

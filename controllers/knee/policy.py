@@ -219,7 +219,8 @@ class Knee(Windowed):
             # decrease needs no proof of load: cut below what was actually in flight
             cut = min(self._limit, max(w.inflight, 1.0)) * c.backoff
             self._set_limit(max(1.0, min(target, cut)))
-        elif w.saturated >= c.saturation and not full and not self._stalled(w):
+        elif (w.saturated >= c.saturation and not full and not self._stalled(w)
+              and not self._unproven(w)):
             # demand exceeds the limit and the engine keeps up: grow, at most one climb step
             # a probe goes to its level at once: on a flat plateau the fit's elasticity is ~0
             # and a climb step would never leave the knee
@@ -301,6 +302,18 @@ class Knee(Windowed):
         level, tput = w.engine_last
         near = self._curve.nearest(level)
         return near is not None and tput < (1 - self.cfg.change) * near.throughput
+
+    def _unproven(self, w: Summary) -> bool:
+        """No answer ended in the window and the engine's own TPOT is over its objective:
+        nothing shows the engine keeps up, so the limit holds (a cut still needs a window
+        `_over_objective` judges). After the cut that followed the 4x slowdown of
+        test_knee_slowdown_sim (seed 7, once a cold start's refusals moved its trajectory),
+        a window left at 56 in flight over a limit of 33, with no answer in it and the
+        engine at 0.26 s a token against 0.05, doubled the limit to 67: neither
+        `_over_objective` (the engine's in-flight rose through it) nor `_stalled` (the
+        window after a move) reads such a window."""
+        return (w.samples == 0 and w.engine_tpot is not None
+                and w.engine_tpot > self.cfg.tpot_objective)
 
     def _ramped(self, w: Summary) -> bool:
         """The engine's in-flight rose by more than a bin across the window: it measured a

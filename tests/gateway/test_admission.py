@@ -146,6 +146,21 @@ def test_retry_after_is_not_inflated_by_a_young_completion_rate() -> None:
     assert q.retry_after(30) == 4
 
 
+def test_the_completion_rate_counts_a_wave_over_the_time_it_ran() -> None:
+    # 16 answers sent at t=0 end together 7.0-7.3 s later. Counted from the first of them,
+    # the other 15 came in 0.3 s: ~54/s, where the engine served ~2.2/s; the queue then took
+    # requests it could not start in time (on the emulator fitted to vLLM's CPU build, 503s
+    # after ~1 s). Counted from the dispatch that made it busy: 2.7/s (an EWMA weighs the
+    # wave's end above its start).
+    ups = pool(16)
+    q = AdmissionQueue(ups, CLASSES, max_queue=64)
+    wave = [Ticket("lo", 0.0) for _ in range(16)]
+    assert all(isinstance(q.offer(t, 0.0), Admitted) for t in wave)
+    for i, t in enumerate(wave):
+        q.release(t, 7.0 + i * 0.02)
+    assert q.completion_rate == pytest.approx(2.72, abs=0.01)
+
+
 def test_reroute_frees_the_unreachable_slot_without_a_completion() -> None:
     ups = pool(2, 1)
     q = AdmissionQueue(ups, CLASSES, max_queue=4)
@@ -235,12 +250,29 @@ def test_a_request_may_tighten_its_objective() -> None:
     assert loose == Queued(0)
 
 
-def test_nothing_is_refused_before_a_rate_is_measured() -> None:
+def test_a_burst_onto_a_fresh_gateway_is_queued() -> None:
     ups = pool(1)
     q = AdmissionQueue(ups, OBJ, max_queue=64)
     q.offer(Ticket("chat", 0.0), 0.0)
     assert [q.offer(Ticket("chat", 0.0), 0.0) for _ in range(3)] == [
         Queued(0), Queued(1), Queued(2)]
+
+
+def test_before_an_answer_ends_the_time_without_one_is_the_prediction() -> None:
+    # 4 slots taken at 0, and no answer has ended: each slot is guessed to free once per
+    # the oldest's age. At 0.1 that is 0.025 s a slot: 3 queued within the 0.5 s budget
+    # (a quarter of 2 s). At 2 s, the fourth would wait (3 + 1) x 2 / 4 = 2 s: refused at
+    # once, where before a rate was measured it was queued until its objective passed.
+    ups = pool(4)
+    q = AdmissionQueue(ups, OBJ2, max_queue=64)
+    for _ in range(4):
+        q.offer(Ticket("default", 0.0), 0.0)
+    assert [q.offer(Ticket("default", 0.1), 0.1) for _ in range(3)] == [
+        Queued(0), Queued(1), Queued(2)]
+    late = q.offer(Ticket("default", 2.0), 2.0)
+    assert isinstance(late, Rejected) and late.reason is RejectReason.OVER_OBJECTIVE
+    assert "~2.0s predicted" in late.message
+    assert q.completion_rate == 0.0  # the measured rate is not touched
 
 
 def test_a_request_past_its_objective_is_never_dispatched() -> None:
@@ -250,12 +282,12 @@ def test_a_request_past_its_objective_is_never_dispatched() -> None:
     q.note_ttft(0.5)
     first = Ticket("chat", 0.0)
     q.offer(first, 0.0)
-    late, early = Ticket("chat", 0.0), Ticket("chat", 1.0)
+    late, early = Ticket("chat", 0.0), Ticket("chat", 0.1)
     q.offer(late, 0.0)
-    q.offer(early, 1.0)
-    assert (late.deadline, early.deadline) == (1.5, 2.5)
-    assert q.release(first, 1.6) == [early]  # the slot skips the one past its deadline
-    assert q.expire(1.6) == [late]  # which is answered now (503), never sent on
+    q.offer(early, 0.1)
+    assert (late.deadline, early.deadline) == (1.5, 1.6)
+    assert q.release(first, 1.55) == [early]  # the slot skips the one past its deadline
+    assert q.expire(1.55) == [late]  # which is answered now (503), never sent on
     assert q.timeout_rejection(late).reason is RejectReason.QUEUE_TIMEOUT
     assert "objective" in q.timeout_rejection(late).message
 
@@ -311,6 +343,8 @@ def test_a_standing_queue_answers_heads_over_target_instead_of_dispatching_them(
     # slot is held throughout; a request arrives each second and the tick pumps each second.
     ups = pool(1)
     q = AdmissionQueue(ups, {"c": ClassPolicy("c", ttft_objective=8.0)}, max_queue=64)
+    for i in range(20):  # 10 answers a second before: the prediction (wrong here) admits all
+        q.note_completion(-2.0 + i / 10)
     q.offer(Ticket("c", 0.0), 0.0)  # holds the slot
     tickets, late = [], []
     for t in range(11):

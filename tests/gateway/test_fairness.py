@@ -146,7 +146,10 @@ CLASSES = {"c": ClassPolicy("c", ttft_objective=2.0)}
 
 def one_slot() -> tuple[AdmissionQueue, UpstreamState]:
     up = UpstreamState("u", build_controller("fixed", {"initial": 1}))
-    return AdmissionQueue([up], CLASSES, max_queue=4), up
+    q = AdmissionQueue([up], CLASSES, max_queue=4)
+    for i in range(20):  # 20 answers a second before: every wait below is predicted short
+        q.note_completion(-2.0 + i / 20)
+    return q, up
 
 
 def test_a_light_tenant_waits_for_a_slot_not_for_the_heavy_queue() -> None:
