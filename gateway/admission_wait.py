@@ -74,8 +74,9 @@ their slots. capacity-drop read 1.074 -> 1.048 at both seeds (over seeds 1-7, me
 1.467 -> 1.373 (seeds 1-7, mean 1.46 -> 1.45); the rest within 0.04 either way. On the
 emulator fitted to vLLM's CPU build at 3x (`python -m kneegate.benchmarks.overload --profile
 cpu-tiny-avx2 --arms kneegate --loads 3 --seconds 30 --capacity 310 --seed N`, N = 1, 2, 3,
-with the busy clock above), 503s 17 / 2 / 2 -> 2 / 2 / 2, rejections answered in 1129 / 14
-/ 5 -> 7 / 3 / 9 ms at p99, goodput the same (230 / 233 / 233 -> 234 / 231 / 233 tokens/s).
+before both this and the busy clock above, and after them), 503s 17 / 2 / 2 -> 2 / 2 / 2,
+rejections answered in 1129 / 14 / 5 -> 7 / 3 / 9 ms at p99, goodput the same (230 / 233 /
+233 -> 234 / 231 / 233 tokens/s).
 
 A first rule, tried and dropped, queued one round of the limits' slots unpredicted and
 guessed past it that each slot frees once a second, as Retry-After does; at the default

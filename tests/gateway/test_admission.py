@@ -148,7 +148,7 @@ def test_retry_after_is_not_inflated_by_a_young_completion_rate() -> None:
 
 def test_the_completion_rate_counts_a_wave_over_the_time_it_ran() -> None:
     # 16 answers sent at t=0 end together 7.0-7.3 s later. Counted from the first of them,
-    # the other 15 came in 0.3 s: ~54/s, where the engine served ~2.2/s; the queue then took
+    # the other 15 came in 0.3 s: 50/s, where the engine served ~2.2/s; the queue then took
     # requests it could not start in time (on the emulator fitted to vLLM's CPU build, 503s
     # after ~1 s). Counted from the dispatch that made it busy: 2.7/s (an EWMA weighs the
     # wave's end above its start).
