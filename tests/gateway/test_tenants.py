@@ -85,6 +85,10 @@ class Rig:
 async def rig_for(**config: Any) -> AsyncIterator[Rig]:
     engine = Turnstile()
     async with serve(engine) as up:
+        # a long objective: these tests are about order, and before any answer ends the
+        # queue guesses a request's wait from how long the one in flight has run (tens of
+        # ms here, more on a busy machine)
+        config.setdefault("classes", {"default": {"ttft_objective": 60.0}})
         app = build_app(gw_config(up, limit=1, **config))
         async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
             rig = Rig(engine, app, gw, client)
