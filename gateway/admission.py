@@ -287,12 +287,8 @@ class AdmissionQueue:
         with nothing in flight. It is a guess on the short side (a younger request may end
         sooner), and it starts at 0: a burst onto a fresh gateway is queued as before,
         and only time that passes with no answer ending refuses."""
-        if not self._flying:
-            return None
-        at = next(iter(self._flying)).dispatched_at
-        if at is None:
-            return None
-        return (ahead + 1) * (now - at) / len(self._flying)
+        at = self._oldest_dispatch()
+        return None if at is None else (ahead + 1) * (now - at) / len(self._flying)
 
     def _first_free(self, now: float) -> float:
         """Seconds until the oldest request in flight has run the mean duration (0 when it
@@ -300,11 +296,12 @@ class AdmissionQueue:
         on the emulator at 3x, 48-64 ended in one second and none in the next one or two,
         and requests queued after such a wave left waited it out past their objective
         (answered 503 after 1.4-1.5 s) where the rate, 18 a second, promised 0.2 s."""
-        d = self._wait.duration
-        if d is None or not self._flying:
-            return 0.0
-        at = next(iter(self._flying)).dispatched_at
-        return 0.0 if at is None else max(0.0, at + d - now)
+        d, at = self._wait.duration, self._oldest_dispatch()
+        return 0.0 if d is None or at is None else max(0.0, at + d - now)
+
+    def _oldest_dispatch(self) -> float | None:
+        """When the oldest request in flight was dispatched; None with nothing in flight."""
+        return next(iter(self._flying)).dispatched_at if self._flying else None
 
     @property
     def flying(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.controllers import make_sample
+from helpers.gateway import warm_rate
 
 from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.controllers.fixed import Fixed, FixedConfig
@@ -184,20 +185,13 @@ OBJ = {"chat": ClassPolicy("chat", priority=0, max_wait=30.0, ttft_objective=2.0
                            queue_budget=1.0)}
 
 
-def _warm(q: AdmissionQueue, rate: float, n: int = 40) -> float:
-    """`n` completions at `rate` per second ending at the returned time (t0 = 100)."""
-    for i in range(n):
-        q.note_completion(100.0 + i / rate)
-    return 100.0 + (n - 1) / rate
-
-
 def test_a_request_that_cannot_meet_its_objective_is_told_at_once() -> None:
     # 4 completions/s, engine TTFT 0.25 s: the k-th queued request's first token comes
     # (k + 1) / 4 + 0.25 s from now; with a 2 s objective 6 may wait (k = 0..5: 1.75 s),
     # the 7th (k = 6: 2.0 s) still fits, the 8th (2.25 s) is refused with Retry-After 1
     ups = pool(1)
     q = AdmissionQueue(ups, OBJ, max_queue=64)
-    now = _warm(q, 4.0)
+    now = warm_rate(q, 4.0)
     q.note_ttft(0.25)
     assert isinstance(q.offer(Ticket("chat", now), now), Admitted)
     decisions = [q.offer(Ticket("chat", now), now) for _ in range(8)]
@@ -214,7 +208,7 @@ def test_no_wait_is_predicted_shorter_than_the_oldest_answers_time_left() -> Non
     # 0.9 s objective the queue may hold 0.65 s: refused then, queued once the wave is old.
     ups = pool(4)
     q = AdmissionQueue(ups, OBJ, max_queue=64)
-    now = _warm(q, 4.0)
+    now = warm_rate(q, 4.0)
     for _ in range(10):
         q.note_sample(ups[0], make_sample(duration=1.0, ttft=0.25))
     assert all(isinstance(q.offer(Ticket("chat", now), now), Admitted) for _ in range(4))
@@ -230,7 +224,7 @@ def test_by_default_the_queue_may_hold_a_quarter_of_the_objective() -> None:
     # may wait (0.25 s predicted), the next (0.5 s) is refused, Retry-After ceil(0.0625) = 1
     ups = pool(1)
     q = AdmissionQueue(ups, {"chat": ClassPolicy("chat", ttft_objective=2.0)}, max_queue=64)
-    now = _warm(q, 4.0)
+    now = warm_rate(q, 4.0)
     q.note_ttft(0.25)
     assert isinstance(q.offer(Ticket("chat", now), now), Admitted)
     assert q.offer(Ticket("chat", now), now) == Queued(0)
@@ -242,7 +236,7 @@ def test_by_default_the_queue_may_hold_a_quarter_of_the_objective() -> None:
 def test_a_request_may_tighten_its_objective() -> None:
     ups = pool(1)
     q = AdmissionQueue(ups, OBJ, max_queue=64)
-    now = _warm(q, 4.0)
+    now = warm_rate(q, 4.0)
     q.offer(Ticket("chat", now), now)
     tight = q.offer(Ticket("chat", now, ttft_objective=0.2), now)  # 1 / 4 > 0.2
     assert isinstance(tight, Rejected) and tight.reason is RejectReason.OVER_OBJECTIVE
@@ -343,8 +337,7 @@ def test_a_standing_queue_answers_heads_over_target_instead_of_dispatching_them(
     # slot is held throughout; a request arrives each second and the tick pumps each second.
     ups = pool(1)
     q = AdmissionQueue(ups, {"c": ClassPolicy("c", ttft_objective=8.0)}, max_queue=64)
-    for i in range(20):  # 10 answers a second before: the prediction (wrong here) admits all
-        q.note_completion(-2.0 + i / 10)
+    warm_rate(q, 10.0, 20, start=-2.0)  # a rate before: the prediction (wrong here) admits all
     q.offer(Ticket("c", 0.0), 0.0)  # holds the slot
     tickets, late = [], []
     for t in range(11):

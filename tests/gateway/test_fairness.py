@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.controllers import make_sample
+from helpers.gateway import warm_rate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,8 +148,7 @@ CLASSES = {"c": ClassPolicy("c", ttft_objective=2.0)}
 def one_slot() -> tuple[AdmissionQueue, UpstreamState]:
     up = UpstreamState("u", build_controller("fixed", {"initial": 1}))
     q = AdmissionQueue([up], CLASSES, max_queue=4)
-    for i in range(20):  # 20 answers a second before: every wait below is predicted short
-        q.note_completion(-2.0 + i / 20)
+    warm_rate(q, 20.0, 20, start=-2.0)  # a rate before: every wait below is predicted short
     return q, up
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
+from kneegate.gateway.admission import AdmissionQueue
 from kneegate.gateway.config import GatewayConfig, parse_config
 from kneegate.gateway.server import serving as serve  # noqa: F401 - the tests' name for it
 
@@ -186,3 +187,11 @@ async def reply(send: Any, status: int, body: bytes, ctype: bytes = b"applicatio
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", ctype)]})
     await send({"type": "http.response.body", "body": body})
+
+
+def warm_rate(q: AdmissionQueue, rate: float, n: int = 40, start: float = 100.0) -> float:
+    """`n` completions at `rate` per second from `start`, so that the queue has a measured
+    completion rate; returns the time of the last."""
+    for i in range(n):
+        q.note_completion(start + i / rate)
+    return start + (n - 1) / rate
