@@ -21,7 +21,8 @@ is the lowest of:
              lowest kept level
     plateau: the lowest kept level from which every step up of >= `pair` (and from
              each level within `pair` under it) has ln(t'/t) / ln(c'/c) < e_min
-    top:     the last kept level, when the curve declined past it
+    top:     the last kept level, when the curve declined past it (the geometric
+             middle of it and the declining level when they are over a climb step apart)
 
     e_min = ln(1 + step_gain) / ln 1.2   (a 20% step that adds `step_gain`)
 
@@ -201,7 +202,7 @@ class Curve:
     def knee(self) -> tuple[float | None, bool]:
         """(knee level of the throughput curve, still rising at the top); None: none seen yet."""
         kept, declined = self.kept()
-        top = kept[-1].concurrency if kept and declined else math.inf
+        top = self._top(kept) if kept and declined else math.inf
         a, b = _fit(kept)
         knee = min(top, self._flat(kept))
         if b > 0 and a > 0:
@@ -212,6 +213,23 @@ class Curve:
         if not math.isfinite(knee):
             return None, True
         return knee, not declined and knee >= kept[-1].concurrency
+
+    def _top(self, kept: list[Point]) -> float:
+        """The highest the knee may be when the curve declined past the last level kept:
+        that level, or, when the decline was read more than a climb step above it, the
+        geometric middle of the two. The knee lies somewhere in such a gap, not at its
+        foot: on vLLM's CPU build one window at 14.8 in flight read 101 tokens/s against
+        133 at 2.0 (a window of prefills), and taken as the decline from 2.0 it put the
+        knee there. Probes go one step past the knee, so nothing measured 14.8 again for
+        the point's `memory` (300 s), and the limit held 1-2 where a direct sweep's knee
+        was 8-16 (`pytest -m real_vllm -k knee_limit_settles`). Bounded at the middle,
+        the limit measures it, and each window halves the gap (by its logarithm) until
+        the levels are a climb step apart."""
+        foot = kept[-1].concurrency
+        past = [p.concurrency for p in self.points.values() if p.steady and p.concurrency > foot]
+        if not past or min(past) <= foot * (1 + self.cfg.climb):
+            return foot
+        return math.sqrt(foot * min(past))
 
     def e_min(self) -> float:
         """The elasticity of a 20% step that adds `step_gain`: below it, a step does not pay."""

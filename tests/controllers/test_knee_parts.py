@@ -9,6 +9,7 @@ from helpers.controllers import make_sample, scrape
 
 from kneegate.controllers import knee
 from kneegate.controllers.knee import KneeConfig
+from kneegate.controllers.knee.curve import Curve
 from kneegate.controllers.knee.kv import KvEdge
 from kneegate.controllers.knee.room import Room, Share, queued
 from kneegate.controllers.knee.sizes import Epoch, PromptSizes
@@ -192,3 +193,27 @@ def test_a_gateway_alone_applies_no_share() -> None:
     share = Share()
     assert share.update(summary(inflight=19.0), 20.0, True, 0.5) == 1.0
     assert share.alone()
+
+
+def test_a_decline_far_above_the_last_level_kept_is_halved_not_taken_as_the_knee() -> None:
+    # vLLM's CPU build: one window of prefills at 14.8 read 101 tokens/s against 133 at 2.0;
+    # the knee read 2.0 and the limit held 1-2 where a direct sweep's knee was 8-16
+    curve = Curve(KneeConfig())
+
+    def level(at: float, c: float, tput: float) -> None:
+        curve.learn(summary(end=at, inflight=c, max_inflight=c, throughput=tput), c, False)
+
+    level(5.0, 2.0, 133.0)
+    level(10.0, 14.8, 101.0)
+    assert curve.knee() == (pytest.approx((2.0 * 14.8) ** 0.5), False)
+    level(15.0, 5.44, 300.0)  # the middle pays: the gap above it is halved again
+    assert curve.knee() == (pytest.approx((5.44 * 14.8) ** 0.5), False)
+    # where the middle reads the decline too, the gap under it is halved, down to a climb
+    # step (x2 at `climb` 1), where the last level kept is the knee as before
+    curve.clear()
+    level(5.0, 2.0, 133.0)
+    level(10.0, 14.8, 101.0)
+    level(15.0, 5.44, 90.0)
+    assert curve.knee() == (pytest.approx((2.0 * 5.44) ** 0.5), False)
+    level(20.0, 3.3, 95.0)
+    assert curve.knee() == (2.0, False)
