@@ -28,9 +28,10 @@ very code.
 The queue is bounded by time as well as by count. Each class has a TTFT objective, seconds
 from a request's arrival to its first token (a request may carry a tighter one). On offer,
 a request that cannot be admitted at once is refused (429 `over_objective`) when its
-predicted wait in the queue, (queued ahead + 1) / the measured completion rate but no less
-than the oldest answer in flight has left to run (`_first_free`; before four answers have
-ended, (ahead + 1) x the oldest's age / in flight: `_cold_wait`), is more than its class's
+predicted wait in the queue, (queued ahead + 1) / the measured completion rate, or the
+queue's own drain rate where that is slower, but no less than the oldest answer in flight
+has left to run (`_first_free`; before four answers have ended, (ahead + 1) x the oldest's
+age / in flight: `_cold_wait`), is more than its class's
 `queue_budget` (0.25) of the objective less the engine's recent TTFT: told at once, not
 after waiting (the prediction, and why a quarter: `gateway.admission_wait`). A
 queued request leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its
@@ -269,6 +270,8 @@ class AdmissionQueue:
             q.remove(victim)
             evicted = (victim, answer)
         ticket.due, ticket.deadline = self._due(ticket, policy, now)
+        if not self.depth():
+            self._wait.departures.resume(now)  # the queue's busy time starts
         q.append(ticket)
         return Queued(ahead, evicted)
 
@@ -596,6 +599,8 @@ class AdmissionQueue:
         its slot, and its tenant's charge for its prompt."""
         self._place(ticket, up, now)
         self._queues[ticket.cls].dispatched(ticket, queued)
+        if queued:
+            self._wait.departures.note(now)
         if ticket.tenant.tokens_per_minute is not None:
             self._buckets.take(ticket.tenant, ticket.tokens, now)
 

@@ -219,6 +219,32 @@ def test_no_wait_is_predicted_shorter_than_the_oldest_answers_time_left() -> Non
     assert q.offer(Ticket("chat", later, ttft_objective=0.9), later) == Queued(0)
 
 
+def test_a_queue_that_drains_slower_than_answers_end_is_predicted_by_its_drain() -> None:
+    # answers end 4 a second (3 of them elsewhere: on another gateway, or freeing KV a
+    # larger request still waits for), but the queue's head leaves once a second. The
+    # completion rate alone promised 0.75 s to a request with 2 ahead: by the queue's own
+    # drain it is 3 s, over the 2 s it may queue (a quarter of 8 s), and it is told at once
+    ups = pool(1)
+    slow = {"chat": ClassPolicy("chat", max_wait=30.0, ttft_objective=8.0)}
+    q = AdmissionQueue(ups, slow, max_queue=64)
+    now = warm_rate(q, 4.0)
+    flying = Ticket("chat", now)
+    assert q.offer(flying, now) == Admitted(ups[0])
+    queued = [Ticket("chat", now) for _ in range(6)]
+    assert [q.offer(t, now) for t in queued] == [Queued(k) for k in range(6)]
+    for i in range(1, 6):
+        for k in (3, 2, 1):
+            q.note_completion(now + i - k / 4)
+        assert q.release(flying, now + i) == [queued[i - 1]]
+        flying = queued[i - 1]
+    assert q.completion_rate == pytest.approx(4.0, abs=0.01)
+    later = now + 5
+    assert q.offer(Ticket("chat", later), later) == Queued(1)  # (1 + 1) / 1: 2 s
+    refused = q.offer(Ticket("chat", later), later)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
+    assert "~3.0s predicted" in refused.message
+
+
 def test_by_default_the_queue_may_hold_a_quarter_of_the_objective() -> None:
     # the same 4/s and 0.25 s engine TTFT: a quarter of 2 - 0.25 is 0.4375 s of queue, so one
     # may wait (0.25 s predicted), the next (0.5 s) is refused, Retry-After ceil(0.0625) = 1
