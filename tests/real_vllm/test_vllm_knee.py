@@ -11,9 +11,21 @@ One test, three measurements of the same engine with the same load (prompts of 1
    scraping vLLM's /metrics every second) for RUN_SECONDS; the last MEASURE_SECONDS count.
 
 Shapes, not figures (2 shared cores, ±20% run to run): most late limit readings lie between
-half the region's low end (headroom, and the noise of one level) and its high end; the TTFT
+half the region's low end (headroom, and the noise of one level) and the sweep's next level
+above its high end; the gateway keeps 0.85 of the sweep's peak throughput (its limit is not
+under the knee; the engine drifts by a few percent between the sweep and the run); the TTFT
 of admitted requests (dispatch to first token, as the gateway sees it) has a p99 well under
-the direct one; the gateway keeps most of the plateau's throughput. The clients' own TTFT
+the direct one (nor is it far past the knee).
+
+Why the next level, not the region's high end itself: the sweep doubles, so 90% of the peak
+is crossed somewhere between `high / 2` and `high`, and the controller's own rule (a 20% step
+that adds under 2% is past the knee) puts the knee near 89% of the peak, which on this
+engine's gentle bend moves by a whole level with 5% of noise (8 -> 16 clients added 7.6% in
+one sweep, the rule's edge). Two runs of 2026-12-02 held the limit at medians of 22 and 18,
+within 16..32, at 0.94 and 1.01 of the peak, with admitted TTFT p99 2.6 and 1.1 s against
+6.1 and 6.2 s direct; the region's high end alone failed them. The test still fails a limit
+held under the knee (medians of 1 and 6 on 2026-12-02: 75 and 156 tokens/s where 64
+clients direct read 272 and 218) or on the plateau (32 or more). The clients' own TTFT
 through the gateway includes their queue wait: in a closed loop that is the same time again
 (Little's law), so it is printed, not asserted. About 6.5 minutes.
 """
@@ -130,12 +142,12 @@ async def test_knee_limit_settles_in_the_sweeps_knee_region(vllm: VllmServer) ->
     start = t0 + RUN_SECONDS - MEASURE_SECONDS
     late = [limit for t, limit in limits if t >= RUN_SECONDS - MEASURE_SECONDS]
     admitted = [s.ttft for s in samples if s.admitted_at >= start and s.ttft is not None]
-    lo, hi = low / 2, high
-    inside = sum(lo <= x <= hi for x in late) / len(late)
+    lo, hi = low / 2, 2 * high  # the sweep's next level above the region: excluded
+    inside = sum(lo <= x < hi for x in late) / len(late)
     report += [
         f"gateway, {CLIENTS} clients, knee controller {KNEE_PARAMS}: limit every 5 s "
         f"{[x for i, (_, x) in enumerate(limits) if i % 5 == 0]}",
-        f"late limits: median {statistics.median(late)}, {inside:.0%} within [{lo:g}, {hi:g}]; "
+        f"late limits: median {statistics.median(late)}, {inside:.0%} within [{lo:g}, {hi:g}); "
         f"knee estimate {estimate}; controller's curve {state.get('curve')}",
         f"admitted TTFT p50 {statistics.median(admitted):.3f}s p99 {p99(admitted):.3f}s "
         f"({len(admitted)} requests) vs direct p99 {direct.ttft_p99:.3f}s",
@@ -145,7 +157,8 @@ async def test_knee_limit_settles_in_the_sweeps_knee_region(vllm: VllmServer) ->
     ]
     print("\n".join(report[len(report) - 4:]), flush=True)
     why = "\n".join(report)
-    assert inside >= 0.75 and lo <= statistics.median(late) <= hi, why
+    assert inside >= 0.75 and lo <= statistics.median(late) < hi, why
+    assert run["throughput_tok_s"] >= 0.85 * knee.peak, why
     assert len(admitted) >= 50, why
     assert p99(admitted) < 0.6 * direct.ttft_p99, why
     assert run["throughput_tok_s"] >= 0.6 * knee.peak, why
