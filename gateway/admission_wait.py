@@ -91,7 +91,7 @@ dispatches out of the queue per second some request was queued (the same EWMA an
 debiasing), and the prediction takes the slower of the two rates. Measured
 (`python -m kneegate.benchmarks.simulate --scenario all --controllers knee --seed N`, before
 -> after): prompt-growth settles in 4 -> 0 s at seed 7 and 52 -> 0 s at seed 1 (over seeds
-1-7, 0-52 -> 0-5 s; goodput / oracle mean 1.45 -> 1.51), and reads 1.426 -> 1.587 / 1.373 ->
+1-7 in 5 s at most; goodput / oracle mean 1.45 -> 1.51), and reads 1.426 -> 1.587 / 1.373 ->
 1.396; totals 14.45 -> 14.60 / 14.36 -> 14.33. gpu-h100 at seed 1 read 0.955 -> 0.926: its
 climb took another path (193 -> 389 in one step) and one window at 387, read as a plateau
 from 193, cut the limit to 183 for ~20 s; at seeds 2-5 its goodput moved by 0.2% at most.
