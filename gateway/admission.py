@@ -270,8 +270,7 @@ class AdmissionQueue:
             q.remove(victim)
             evicted = (victim, answer)
         ticket.due, ticket.deadline = self._due(ticket, policy, now)
-        if not self.depth():
-            self._wait.departures.resume(now)  # the queue's busy time starts
+        self._busy_queue(now)
         q.append(ticket)
         return Queued(ahead, evicted)
 
@@ -324,6 +323,12 @@ class AdmissionQueue:
             return tenant_quota(t.label, f"{t.tokens_per_minute:g} tokens a minute",
                                 self._clamp(wait))
         return None
+
+    def _busy_queue(self, now: float) -> None:
+        """A ticket is about to be queued: if none was, the queue's drain rate counts its
+        busy time from `now` (time with nothing queued says nothing of how fast it drains)."""
+        if not self.depth():
+            self._wait.departures.resume(now)
 
     def _due(self, ticket: Ticket, policy: ClassPolicy, since: float) -> tuple[float, float]:
         """(due, deadline) of `ticket` queued at `since`. Past `due` a first token is a miss
@@ -570,6 +575,7 @@ class AdmissionQueue:
         up.refusing = True
         ticket.upstream, ticket.dispatched_at = None, None
         ticket.due, ticket.deadline = due, deadline
+        self._busy_queue(now)
         self._queues[ticket.cls].appendleft(ticket)
         return True
 
