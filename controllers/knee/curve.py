@@ -20,7 +20,8 @@ is the lowest of:
              knee where the elasticity 1 / (1 + c/k) = e_min, no lower than the
              lowest kept level
     plateau: the lowest kept level from which every step up of >= `pair` (and from
-             each level within `pair` under it) has ln(t'/t) / ln(c'/c) < e_min
+             each level within `pair` under it) has ln(t'/t) / ln(c'/c) < e_min; not
+             from a level read by one scrape just after a rise (`Knee._climbed`)
     top:     the last kept level, when the curve declined past it (the geometric
              middle of it and the declining level when they are over a climb step apart)
 
@@ -53,6 +54,7 @@ class Point:
     over_objective: bool
     at: float
     steady: bool = False  # in-flight held level in the window, not a draining burst
+    scrape: bool = False  # one scrape just after a rise (`Knee._climbed`), no window's mean
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -119,8 +121,9 @@ class Curve:
             return w.engine_inflight, w.engine_throughput
         return w.inflight, w.throughput
 
-    def learn(self, w: Summary, level: float, bad: bool) -> None:
-        """Average the window into the point at its level (`bad`: it broke an objective)."""
+    def learn(self, w: Summary, level: float, bad: bool, scrape: bool = False) -> None:
+        """Average the window into the point at its level (`bad`: it broke an objective;
+        `scrape`: the window is one scrape read just after a rise, `Knee._climbed`)."""
         tput = w.engine_throughput if self.engine_mode else w.throughput
         if level <= 0 or tput is None:
             return
@@ -144,7 +147,9 @@ class Curve:
             self._forget_change()  # the engine changed since `near` was measured
         old = self.points.get(key)
         if old is None:
-            self.points[key] = Point(level, tput, w.ttft_p90, w.tpot_p50, bad, w.end, steady)
+            self.points[key] = Point(
+                level, tput, w.ttft_p90, w.tpot_p50, bad, w.end, steady, scrape
+            )
             return
         old.concurrency = old.concurrency * (1 - a) + level * a
         old.throughput = old.throughput * (1 - a) + tput * a
@@ -154,6 +159,7 @@ class Curve:
             old.over_objective = bad
         old.at = w.end
         old.steady = steady
+        old.scrape = old.scrape and scrape
 
     def clear(self) -> None:
         self.points.clear()
@@ -243,6 +249,13 @@ class Curve:
         kept = [p for p in kept if p.steady]
         pair = self.cfg.pair
         for p in kept:
+            # one scrape just after a rise reads the engine decoding all it holds, no answer
+            # ending and no newcomer's prefill in it: above the level's steady throughput
+            # (H100, seed 1: 9,503 tokens/s at 193, where a fixed limit of 193 holds 8,143).
+            # A plateau from it to the next window's mean at 387 (9,976) cut the limit to
+            # 183 for ~20 s; a window's mean at the level may still be a foot
+            if p.scrape:
+                continue
             # p and the levels just under it, so one lucky window at p is not a plateau
             near = [r for r in kept if p.concurrency / pair < r.concurrency <= p.concurrency]
             above = [q for q in kept if q.concurrency >= pair * p.concurrency]

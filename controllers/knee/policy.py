@@ -14,7 +14,7 @@ requests still run), or at `max_window`. Each closed window:
             0.8 x the gateway's peak and read throughput grown with elasticity >= 1/2 from
             the highest level measured (before any, from the last window's last scrape)
             counts, as that scrape's point (the window's means mix the late scrapes from
-            before the rise)
+            before the rise), marked as one scrape: no plateau's foot (`Curve._flat`)
     room    re-read (`Room.measure`); app-limited, a lower reading is no news
     share   learnt (`Share.update`), not while app-limited
     knee    = min(curve knee, room)          (published only within a climb step of the
@@ -203,7 +203,7 @@ class Knee(Windowed):
         if climbed is not None and not (bad or full):
             # the rise kept pace: its level is what the last scrape read, past the prefills
             w, level = climbed, climbed.engine_inflight or level
-            self._curve.learn(w, level, bad)
+            self._curve.learn(w, level, bad, scrape=True)
         elif measured and (bad or not (self._moved or ramped)) and not full:
             self._curve.learn(w, level, bad)
         # app-limited: demand under the limit, and under the token budget, with room to spare

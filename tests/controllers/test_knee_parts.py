@@ -217,3 +217,24 @@ def test_a_decline_far_above_the_last_level_kept_is_halved_not_taken_as_the_knee
     assert curve.knee() == (pytest.approx((2.0 * 5.44) ** 0.5), False)
     level(20.0, 3.3, 95.0)
     assert curve.knee() == (2.0, False)
+
+
+def test_a_level_read_by_one_scrape_after_a_rise_is_no_plateaus_foot() -> None:
+    # H100, seed 1: the scrape just after the rise to 193 read 9,503 tokens/s (a fixed limit
+    # of 193 holds 8,143); the next window's mean at 387 read 9,976, +5% for twice the level
+    def curve_with(foot_is_scrape: bool) -> Curve:
+        curve = Curve(KneeConfig())
+        levels = [(32.0, 2925.0), (64.0, 5063.0), (128.0, 7484.0), (193.0, 9503.0), (387.0, 9976.0)]
+        for i, (c, tput) in enumerate(levels):
+            w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
+            curve.learn(w, c, False, scrape=foot_is_scrape and c == 193.0)
+        return curve
+
+    assert curve_with(foot_is_scrape=False).knee() == (193.0, False)
+    knee, rising = curve_with(foot_is_scrape=True).knee()
+    assert knee is not None and knee > 387.0 and rising  # the fit: still rising at the top
+    # a window's mean blended into the level makes it a foot again
+    curve = curve_with(foot_is_scrape=True)
+    window = summary(end=30.0, inflight=193.0, max_inflight=193, throughput=9503.0)
+    curve.learn(window, 193.0, False)
+    assert curve.knee() == (193.0, False)
