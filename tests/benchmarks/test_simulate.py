@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -24,6 +25,7 @@ from kneegate.benchmarks.simulate import (
     user_ttft,
 )
 from kneegate.benchmarks.sweep import find_knee
+from kneegate.controllers.knee import KneeConfig
 
 
 def test_every_scenario_file_loads() -> None:
@@ -70,7 +72,11 @@ def test_knee_on_a_flat_plateau_settles_in_the_knee_region() -> None:
     assert knee == 32
     res = run(sc, "knee", seed=7)
     late = [lim for t, lim in zip(res.times, res.limits, strict=True) if t >= 60.0]
-    assert 0.6 * knee <= min(late) and max(late) <= 1.3 * knee, late
+    # held in the region; every `probe_every` windows a probe goes `probe_step` past the
+    # knee estimate (seed 7: 38 held, 45 probed over a flat 28-41 of window means)
+    probe = 1 + KneeConfig().probe_step
+    assert 0.6 * knee <= min(late) and max(late) <= 1.3 * probe * knee, late
+    assert 0.8 * knee <= statistics.median(late) <= 1.3 * knee, late
 
 
 def test_knee_recovers_after_the_capacity_drop() -> None:

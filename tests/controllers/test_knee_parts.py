@@ -238,3 +238,28 @@ def test_a_level_read_by_one_scrape_after_a_rise_is_no_plateaus_foot() -> None:
     window = summary(end=30.0, inflight=193.0, max_inflight=193, throughput=9503.0)
     curve.learn(window, 193.0, False)
     assert curve.knee() == (193.0, False)
+
+
+def test_a_window_near_a_level_read_by_one_scrape_measures_it() -> None:
+    # vLLM's CPU build, the knee test that failed: the scrape just after the rise to 8 read
+    # 342 tokens/s (8 clients direct read 205), the next window's mean at 12.83 read 221, a
+    # decline of 35% from 8 that put the knee there and the limit at 7-8, where no window
+    # measured the bin of 8 again for the point's memory (300 s)
+    curve = Curve(KneeConfig())
+    climb = [(2.0, 133.0, False), (4.0, 175.0, False), (8.0, 342.0, True), (12.83, 221.0, False)]
+    for i, (c, tput, once) in enumerate(climb):
+        w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
+        curve.learn(w, c, False, scrape=once)
+    assert curve.knee() == (8.0, False)
+    # the limit under that knee: a window's mean at 7.6, within `pair` of 8, measures it
+    curve.learn(summary(end=30.0, inflight=7.6, max_inflight=8, throughput=205.0), 7.6, False)
+    assert sorted(p.concurrency for p in curve.points.values()) == [2.0, 4.0, 7.6, 12.83]
+    knee, rising = curve.knee()
+    assert knee is not None and knee > 12.83 and rising  # the fit: still rising at the top
+    # a window's mean further than `pair` from such a level leaves it as it was
+    far = Curve(KneeConfig())
+    for i, (c, tput, once) in enumerate(climb[:3]):
+        w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
+        far.learn(w, c, False, scrape=once)
+    far.learn(summary(end=30.0, inflight=6.9, max_inflight=7, throughput=200.0), 6.9, False)
+    assert 8.0 in [p.concurrency for p in far.points.values()]
