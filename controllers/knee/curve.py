@@ -163,7 +163,6 @@ class Curve:
             old.over_objective = bad
         old.at = w.end
         old.steady = steady
-        old.scrape = old.scrape and scrape
 
     def _supersede(self, level: float) -> None:
         """A window's mean within `pair` of a level read by one scrape just after a rise

@@ -233,7 +233,7 @@ def test_a_level_read_by_one_scrape_after_a_rise_is_no_plateaus_foot() -> None:
     assert curve_with(foot_is_scrape=False).knee() == (193.0, False)
     knee, rising = curve_with(foot_is_scrape=True).knee()
     assert knee is not None and knee > 387.0 and rising  # the fit: still rising at the top
-    # a window's mean blended into the level makes it a foot again
+    # a window's mean at the level replaces the scrape's reading and makes it a foot again
     curve = curve_with(foot_is_scrape=True)
     window = summary(end=30.0, inflight=193.0, max_inflight=193, throughput=9503.0)
     curve.learn(window, 193.0, False)
