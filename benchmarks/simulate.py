@@ -35,6 +35,9 @@ the settle time compares like with like (a limit fixed from t = 0 at the new seg
 would have run the old segment at the wrong level and enter the new one with a different
 backlog).
 
+`--controllers` takes such a pair too, `fixed@40/0.5T`, to judge a fixed limit beside a
+controller against the same oracle (its row is named as the oracle's would be).
+
     python -m kneegate.benchmarks.simulate --scenario all --controllers knee,aimd,gradient \
         --seed 7 --out out/sim
 """
@@ -88,8 +91,10 @@ __all__ = [
     "Tenant",
     "demand_ratio",
     "engine_ttft",
+    "fixed_pair",
     "load_scenario",
     "run",
+    "run_spec",
     "scenario_names",
     "tenant_rows",
     "true_knee",
@@ -939,9 +944,30 @@ def tenant_table(sc: Scenario, controller: str, seed: int) -> str:
     return "\n".join(lines)
 
 
+def run_spec(sc: Scenario, spec: str, seed: int = 7) -> Result:
+    """`run` for one `--controllers` entry: a controller (`knee`, `knee:window=3`), or a
+    fixed pair named as the oracle's rows name them, `fixed@L` or `fixed@L/fT`."""
+    if not spec.startswith("fixed@"):
+        return run(sc, spec, seed)
+    limit, wait = fixed_pair(spec)
+    return run(sc, "fixed", seed, limit, wait=wait)
+
+
+def fixed_pair(spec: str) -> tuple[int, float | None]:
+    """(limit, wait cap) of `fixed@L` or `fixed@L/fT`; ValueError for anything else."""
+    limit, _, cap = spec.removeprefix("fixed@").partition("/")
+    try:
+        pair = int(limit), (float(cap.removesuffix("T")) if cap else None)
+    except ValueError:
+        pair = (0, None)
+    if pair[0] < 1 or (cap and not cap.endswith("T")) or (pair[1] is not None and pair[1] <= 0):
+        raise ValueError(f"{spec!r}: a fixed pair is fixed@L or fixed@L/fT, e.g. fixed@40/0.5T")
+    return pair
+
+
 def simulate(sc: Scenario, controllers: list[str], seed: int, out: Path | None) -> list[Row]:
     orc = oracle(sc, seed)
-    results = [run(sc, c, seed) for c in controllers]
+    results = [run_spec(sc, c, seed) for c in controllers]
     rows = [judge(r, orc, sc) for r in results]
     rows.append(judge(orc.best, orc, sc))
     if sc.changes:  # the switching oracle, the settle time's reference (its name: the moves)
@@ -949,7 +975,7 @@ def simulate(sc: Scenario, controllers: list[str], seed: int, out: Path | None) 
     if sc.gateways > 1:
         one = sc.model_copy(update={"gateways": 1})
         for row, c in zip(rows, controllers, strict=False):
-            single = judge(run(one, c, seed), orc, one)
+            single = judge(run_spec(one, c, seed), orc, one)
             row.controller += f" ({row.mean_inflight / max(single.mean_inflight, 1e-9):.2f}x1)"
     if out is not None:
         plot(sc, results, orc, out)
@@ -967,6 +993,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = scenario_names() if args.scenario == "all" else args.scenario.split(",")
     controllers = [c for c in args.controllers.split(",") if c]
+    for c in controllers:
+        if c.startswith("fixed@"):
+            try:
+                fixed_pair(c)
+            except ValueError as exc:
+                ap.error(str(exc))
     print(HEADER)
     totals: dict[str, float] = {}
     for name in names:

@@ -14,12 +14,14 @@ from kneegate.benchmarks.simulate import (
     WAIT_CAPS,
     Oracle,
     engine_ttft,
+    fixed_pair,
     goodput,
     judge,
     load_scenario,
     main,
     oracle,
     run,
+    run_spec,
     scenario_names,
     true_knee,
     user_ttft,
@@ -156,3 +158,22 @@ def test_oracle_sweeps_the_wait_cap_and_judges_from_arrival() -> None:
     # the cap applies: the queue expires at each 0.5 s tick, taken after an engine step, so a
     # ticket can leave up to a tick and a step past its cap
     assert max(r.dispatched - r.arrived for r in late) <= orc.wait * sc.ttft + 0.6
+
+
+def test_a_fixed_pair_runs_beside_a_controller_as_the_oracle_names_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    sc = load_scenario("steady-3x").model_copy(update={"duration": 40.0, "warmup": 10.0})
+    pair = run_spec(sc, "fixed@20/0.5T", seed=3)
+    same = run(sc, "fixed", seed=3, limit=20, wait=0.5)
+    assert pair.controller == "fixed@20/0.5T"
+    assert goodput(pair, sc, 10.0, 40.0) == goodput(same, sc, 10.0, 40.0) > 0
+    assert max(pair.inflight) == 20  # the limit held, and reached under 3x
+    plain = run_spec(sc, "fixed@20", seed=3)
+    assert plain.controller == "fixed@20" and max(plain.inflight) == 20
+    assert fixed_pair("fixed@40/0.25T") == (40, 0.25) and fixed_pair("fixed@7") == (7, None)
+    for bad in ("fixed@", "fixed@0", "fixed@x/0.5T", "fixed@40/0.5", "fixed@40/-1T"):
+        with pytest.raises(ValueError, match="fixed@L/fT"):
+            fixed_pair(bad)
+    with pytest.raises(SystemExit):
+        main(["--scenario", "steady-3x", "--controllers", "knee,fixed@40/half"])
+    assert "fixed@40/half" in capsys.readouterr().err
