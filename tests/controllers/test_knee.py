@@ -122,6 +122,28 @@ def test_holds_while_app_limited() -> None:
     assert ctl.limit == 16
 
 
+def test_an_idle_limit_waits_at_its_target_under_a_measured_room() -> None:
+    # bursts: the first burst climbed 16 -> 32 and ended; the engine's room, measured at
+    # 40% of its KV cache, is 40. Idle, the limit waits for the next burst at 0.95 x 40
+    ctl = make(probe_every=100)
+    t = engine_window(ctl, 0.0, 16, running=16, kv=0.4)
+    assert ctl.limit == 32
+    t = engine_window(ctl, t, 12, running=12, kv=0.3)
+    assert ctl.limit == 32  # the window after a move measures the move: it holds
+    engine_window(ctl, t, 8, running=8, kv=0.3)  # 8 / 0.3 = 27: a drain's reading, no news
+    assert ctl.limit == 38 and ctl.fit()["room"] == 40
+
+
+def test_an_idle_limit_does_not_rise_on_a_room_it_did_not_measure() -> None:
+    # 16 running in 20% of the KV cache "read" room for 80: an extrapolation (under 1/4)
+    ctl = make(probe_every=100)
+    t = engine_window(ctl, 0.0, 16, running=16, kv=0.2)
+    assert ctl.limit == 32
+    for _ in range(3):
+        t = engine_window(ctl, t, 8, running=8, kv=0.1)
+    assert ctl.limit == 32 and ctl.fit()["room"] == 80
+
+
 def test_ttft_breach_backs_off_below_in_flight() -> None:
     ctl = make()
     window(ctl, 0.0, 16, 400.0, ttft=5.0)  # p90 over the 2 s objective
@@ -375,15 +397,17 @@ def test_a_window_the_engine_ramped_through_is_no_level() -> None:
     ctl = make(initial=100, probe_every=100)
     total = [0.0]
     t = engine_level(ctl, 0.0, 64, 4000.0, total=total)  # app-limited: the limit holds
-    t = engine_level(ctl, t, 64, 4000.0, total=total)
+    t = engine_level(ctl, t, 64, 4000.0, total=total)  # and waits at 0.95 x the room, 64 / 0.3
+    t = engine_level(ctl, t, 64, 4000.0, total=total)  # a window after no move
     assert [(p["concurrency"], p["throughput"]) for p in ctl.state()["curve"]] == [
         (64.0, 4000.0)
     ]
+    assert ctl.limit == 202
     for i, (running, tput) in enumerate([(64, 4000), (76, 1500), (80, 4300), (80, 4300)]):
         total[0] += tput
         ctl.on_engine_stats(scrape(t + i, running=running, kv=0.3, tokens=total[0]))
     window(ctl, t, 80, 2000.0)
-    assert ctl.limit == 100
+    assert ctl.limit == 202  # neither cut by a false plateau nor moved by the ramp's room
     assert [(p["concurrency"], p["throughput"]) for p in ctl.state()["curve"]] == [
         (64.0, 4000.0)
     ]  # 72.8 at 4700 tokens/s by the window's means, a ramp: no point
@@ -547,4 +571,7 @@ def test_a_drain_beside_another_gateway_keeps_the_share() -> None:
     # this gateway drains first: 10 of 36, then 6 of 30 would read a share of 0.2-0.3
     for mine, running in ((10, 36), (6, 30)):
         t = drain_window(ctl, t, mine, running, 0.7, total)
-    assert ctl.limit == 23
+    # idle, the limit waits at its target: the room rose a little (36 / 0.7 = 51.4, smoothed)
+    room = ctl.fit()["room"]
+    assert 50 < room < 51.5
+    assert ctl.limit == math.floor(0.95 * room / 2) == 24  # the share held at a half
