@@ -398,7 +398,8 @@ def test_a_window_the_engine_ramped_through_is_no_level() -> None:
     total = [0.0]
     t = engine_level(ctl, 0.0, 64, 4000.0, total=total)  # app-limited: the limit holds
     t = engine_level(ctl, t, 64, 4000.0, total=total)  # and waits at 0.95 x the room, 64 / 0.3
-    t = engine_level(ctl, t, 64, 4000.0, total=total)  # a window after no move
+    t = engine_level(ctl, t, 64, 4000.0, total=total)  # after that move it holds: the next
+    # window (the ramp) follows no move, so only the ramp's own exception keeps it
     assert [(p["concurrency"], p["throughput"]) for p in ctl.state()["curve"]] == [
         (64.0, 4000.0)
     ]
