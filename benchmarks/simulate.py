@@ -49,6 +49,7 @@ import functools
 import itertools
 import math
 import random
+import re
 import statistics
 import sys
 import time
@@ -955,14 +956,10 @@ def run_spec(sc: Scenario, spec: str, seed: int = 7) -> Result:
 
 def fixed_pair(spec: str) -> tuple[int, float | None]:
     """(limit, wait cap) of `fixed@L` or `fixed@L/fT`; ValueError for anything else."""
-    limit, _, cap = spec.removeprefix("fixed@").partition("/")
-    try:
-        pair = int(limit), (float(cap.removesuffix("T")) if cap else None)
-    except ValueError:
-        pair = (0, None)
-    if pair[0] < 1 or (cap and not cap.endswith("T")) or (pair[1] is not None and pair[1] <= 0):
+    m = re.fullmatch(r"fixed@([1-9]\d*)(?:/(\d*\.?\d+)T)?", spec)
+    if m is None or (m[2] is not None and float(m[2]) <= 0):
         raise ValueError(f"{spec!r}: a fixed pair is fixed@L or fixed@L/fT, e.g. fixed@40/0.5T")
-    return pair
+    return int(m[1]), None if m[2] is None else float(m[2])
 
 
 def simulate(sc: Scenario, controllers: list[str], seed: int, out: Path | None) -> list[Row]:

@@ -201,12 +201,13 @@ class Knee(Windowed):
         # the window after a move measures the move (a burst of prefills), not the level
         # a full engine's level counts its queue: its throughput is the plateau's, at no level
         measured = w.samples or w.engine_throughput is not None
+        steady = not (self._moved or ramped)  # the window read a level, not a move
         climbed = self._climbed(w)
         if climbed is not None and not (bad or full):
             # the rise kept pace: its level is what the last scrape read, past the prefills
             w, level = climbed, climbed.engine_inflight or level
             self._curve.learn(w, level, bad, scrape=True)
-        elif measured and (bad or not (self._moved or ramped)) and not full:
+        elif measured and (bad or steady) and not full:
             self._curve.learn(w, level, bad)
         # app-limited: demand under the limit, and under the token budget, with room to spare
         idle = w.saturated < c.saturation and not (full or bad or self._held_back)
@@ -242,8 +243,8 @@ class Knee(Windowed):
             # app-limited or queued: hold — no demand tests whether the engine takes more (a
             # knee the curve measured still cuts: a decrease needs no proof of load); where
             # the engine's room was measured, an app-limited limit waits at its target
-            hold = min(self._limit, target)
-            self._set_limit(max(1.0, self._await(hold, target, ramped) if idle else hold))
+            waits = idle and self._await(steady)
+            self._set_limit(max(1.0, target if waits else min(self._limit, target)))
         self._before = w.engine_last  # the level this window left, read at its last scrape
         self._moved = abs(self._limit - before) > c.bin_ratio * before
         self._moved_up = self._moved and self._limit > before
@@ -330,12 +331,12 @@ class Knee(Windowed):
             return False
         return w.engine_last[0] > (1 + self.cfg.bin_ratio) * w.engine_first
 
-    def _await(self, hold: float, target: float, ramped: bool) -> float:
-        """The limit an app-limited window leaves: its target, up as well as down, where the
-        engine's room was measured (`Room.grounded`: a queue, or a KV cache 1/4 full) and the
-        window measured a level: not the one after a move (nor the first, the start), nor
-        one the engine `ramped` through. Else `hold`, no higher than the limit. (A probe's
-        target is the probe's level: an idle probe waits there for one window, as a probe.)
+    def _await(self, steady: bool) -> bool:
+        """An app-limited window sets the limit to its target, up as well as down (else it
+        only cuts to it): where the engine's room was measured (`Room.grounded`: a queue, or
+        a KV cache 1/4 full) and the window read a level (`steady`: not the one after a move,
+        nor the first, the start, nor one the engine ramped through). (A probe's target is
+        the probe's level: an idle probe waits there for one window, as a probe.)
         One gateway's grounded room is at most 4 x what runs, so within two climb steps of
         its limit, where `_grow` too lets a saturated window's limit double unmeasured.
 
@@ -345,9 +346,7 @@ class Knee(Windowed):
         shed 18 requests at 36-39 s. Waiting at the target, 0.938 -> 0.957 of the oracle;
         over seeds 1-7 and the suite: docs/benchmarks.md ("An idle limit waits at its
         target")."""
-        if self._moved or ramped or not self._room.grounded:
-            return hold
-        return target
+        return steady and self._room.grounded
 
     def _grow(self, level: float) -> float:
         step = 1 + self.cfg.climb
