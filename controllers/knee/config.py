@@ -86,6 +86,12 @@ class KneeConfig(BaseControllerConfig):
     kv_budget: float = Field(
         0.95, ge=0, le=1.0, description="KV-cache share in-flight requests' sizes may fill (0: off)"
     )
+    kv_budget_burst: float = Field(
+        1.0,
+        ge=0,
+        le=1.0,
+        description="the budget's share while the engine drained within a request's life",
+    )
     kv_learn: float = Field(
         0.05, gt=0, le=1, description="weight of one scrape in the KV capacity estimate"
     )

@@ -34,12 +34,15 @@ prompt-growth 1.60 -> 1.60, 1.53 -> 1.56, 1.48 -> 1.69; small-kv-decline 0.99 ->
 Token budget (`fits`), when the engine reports its KV cache's size R (vLLM's
 num_gpu_blocks x block_size), once an answer has finished:
 
-    budget = kv_budget x max(R, C / SHARED)     (a learnt capacity beyond SHARED x R
-                                                 means a shared prefix held once)
+    budget = share x max(R, C / SHARED)     (a learnt capacity beyond SHARED x R
+                                             means a shared prefix held once)
+    share  = kv_budget, or kv_budget_burst in a burst (the engine drained within a
+             request's life: `Knee._burst`)
     fits   : k x (in-flight estimates + this one) + (in-flight + 1) x held <= budget x part
 
-with k tokens per estimate and held = E[o^2] / 2 E[o] (`Calibration`). Pure: no clock,
-no I/O.
+with k tokens per estimate and held = E[o^2] / 2 E[o] (`Calibration`). `held` is what a
+running request holds on average once requests of every age run; a burst's requests are
+younger, and its margin below the cache is `kv_budget_burst`'s. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -117,19 +120,27 @@ class KvEdge:
         since = [fp for t, fp in self._finished if t > at]
         self.limit = running - len(since) + math.floor((free + sum(since)) / new)
 
-    def token_budget(self) -> float | None:
-        """`kv_budget` x the KV cache, in tokens as `fits` counts them; None: no budget."""
+    def token_budget(self, burst: bool = False) -> float | None:
+        """`kv_budget` (`kv_budget_burst` in a burst) x the KV cache, in tokens as `fits`
+        counts them; None: no budget."""
         if self.reported is None or self.cfg.kv_budget <= 0:
             return None
         shared = (self.learned or 0.0) / SHARED
-        return self.cfg.kv_budget * max(self.reported, shared)
+        share = self.cfg.kv_budget_burst if burst else self.cfg.kv_budget
+        return share * max(self.reported, shared)
 
     def fits(
-        self, inflight: int, inflight_tokens: int, tokens: int, cal: Calibration, part: float = 1.0
+        self,
+        inflight: int,
+        inflight_tokens: int,
+        tokens: int,
+        cal: Calibration,
+        part: float = 1.0,
+        burst: bool = False,
     ) -> bool:
-        """One more request of `tokens` (an estimate) fits in `part` of the budget; True
-        without one, or before an answer has finished."""
-        budget = self.token_budget()
+        """One more request of `tokens` (an estimate) fits in `part` of the budget (its burst
+        share in a burst); True without one, or before an answer has finished."""
+        budget = self.token_budget(burst)
         if budget is None or cal.out_done <= 0:
             return True
         need = cal.k * (inflight_tokens + tokens) + (inflight + 1) * cal.held_answer()

@@ -1,5 +1,5 @@
 """Estimate-to-token calibration: slow means that put the gateway's prompt estimates into the
-engine's tokens, and the answers' lengths.
+engine's tokens, and the answers' lengths and lives.
 
 The gateway's prompt size is an estimate (body bytes / 4, JSON included): only ratios of
 estimates mean anything until they are put into tokens. Three running means (a plain mean
@@ -8,6 +8,7 @@ until `admit_learned` values, then an EWMA with weight 1 / `admit_learned`):
     p_slow   admitted estimates         (never rebased)
     p_done   finished prompts' tokens   (the engine's usage count)
     o, o2    finished answers' tokens, and their squares
+    life     answered requests' lives, dispatch to last byte, in seconds
 
     k        = clamp(p_done / p_slow, 0.25, 4)   tokens per estimate, taken at each
                finish while `ready` (both means hold the same sizes: `Epoch.calibrated`)
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kneegate.controllers.base import Sample
+from kneegate.controllers.base import Outcome, Sample
 
 __all__ = ["Calibration"]
 
@@ -42,6 +43,8 @@ class Calibration:
     out_done: float = 0.0  # every finished request's answer
     out_sq: float = 0.0  # and its square
     k: float = 1.0  # engine prompt tokens per admitted estimate, learnt while sizes hold
+    lives: int = 0
+    life: float = 0.0  # an answered request's life, dispatch to last byte, seconds
 
     def admit(self, prompt_tokens: int) -> None:
         """An admission's estimate (admissions are the population whose prompts finish)."""
@@ -56,7 +59,7 @@ class Calibration:
 
     def finish(self, s: Sample) -> None:
         """A finished request's prompt and answer tokens (counted apart: a gateway may not
-        know the prompt's tokens)."""
+        know the prompt's tokens), and its life."""
         if s.prompt_tokens > 0:
             self.dones += 1
             w = 1 / min(self.dones, self.learned)
@@ -66,6 +69,9 @@ class Calibration:
             w = 1 / min(self.outs, self.learned)
             self.out_done += (s.output_tokens - self.out_done) * w
             self.out_sq += (s.output_tokens**2 - self.out_sq) * w
+        if s.outcome is Outcome.OK:  # an error ends a request early
+            self.lives += 1
+            self.life += (s.duration - self.life) / min(self.lives, self.learned)
 
     def tokens(self, estimate: float) -> float:
         """A prompt estimate in the engine's tokens."""

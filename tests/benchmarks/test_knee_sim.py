@@ -25,9 +25,10 @@ def test_bursts_do_not_collapse_the_limit() -> None:
     sc = load_scenario("bursts-lowrate").model_copy(update={"duration": 150.0})
     orc = oracle(sc, seed=7)
     mine = run(sc, "knee", seed=7)
-    # judged from arrival against the best (limit, wait cap) pair: 0.937 at seed 7 (0.846
-    # while a drain's room, share and ramp windows could pull the limit down between bursts)
-    assert goodput(mine, sc, sc.warmup, sc.duration) >= 0.9 * orc.goodput
+    # judged from arrival against the best (limit, wait cap) pair: 0.957 at seed 7 (0.846
+    # while a drain's room, share and ramp windows could pull the limit down between bursts;
+    # 0.931 while the token budget kept its margin for requests of every age in a burst)
+    assert goodput(mine, sc, sc.warmup, sc.duration) >= 0.95 * orc.goodput
     assert min(lim for t, lim in zip(mine.times, mine.limits, strict=True) if t >= 60) >= 25
 
 

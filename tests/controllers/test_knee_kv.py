@@ -162,3 +162,45 @@ def test_beside_another_gateway_the_kv_edge_and_the_token_budget_are_its_share()
     # the budget: half of 0.95 x 5400 = 2565 tokens, each request 100 + 50 held
     assert ctl.fits(16, 1600, 100)  # 1700 + 17 x 50 = 2550
     assert not ctl.fits(17, 1700, 100)  # 1800 + 18 x 50 = 2700: every request fitted before
+
+
+def measured(capacity: float = 3000) -> tuple[Knee, float]:
+    """A knee whose engine's room was measured: three windows of 10 running in half of a
+    `capacity`-token cache (room 20), each request 100 + 100 tokens over a 5 s life."""
+    ctl = Knee(KneeConfig(initial=10, max_limit=40, window=5.0, probe_every=100))
+    t = 0.0
+    for _ in range(3):
+        for i in range(5):
+            ctl.on_engine_stats(scrape(t + i + 0.5, running=10, kv=0.5, capacity=capacity))
+        t = window(ctl, t, 10, 200.0, n=10)  # 10 x 100 / 200 tok/s: each lives 5 s
+    for _ in range(200):
+        ctl.on_arrival(100)
+        ctl.on_admit(100)
+    return ctl, t
+
+
+def test_after_the_engine_drains_a_burst_may_fill_the_whole_cache_for_one_life() -> None:
+    ctl, t = measured()
+    assert ctl.limit == 19  # 0.95 x the room of 20
+    assert ctl.state()["token_budget"] == 2850  # 0.95 x 3000: no drain yet
+    # demand fell away: 4 in flight under a limit of 19. The requests that come next are a
+    # burst's, younger than the mix the budget's held answer (50 tokens each) stands for
+    ctl.on_tick(t + 1, 4)
+    assert ctl.state()["token_budget"] == 3000
+    assert ctl.fits(10, 2000, 450)  # 2450 + 11 x 50 = 3000: the whole cache
+    assert not ctl.fits(10, 2000, 451)
+    # one life (5 s) later every request in flight came after the drain: the mix again
+    ctl.on_tick(t + 6.5, 10)
+    assert ctl.state()["token_budget"] == 2850
+    assert not ctl.fits(10, 2000, 450)
+    assert ctl.fits(10, 2000, 300)
+
+
+def test_a_start_is_no_drain() -> None:
+    # before the engine's room was measured (no scrape in a window yet), few in flight under
+    # the limit is the start: the budget keeps its margin
+    ctl = kv_ready()
+    ctl.on_engine_stats(scrape(2.0, running=10, kv=0.5, capacity=3000))
+    ctl.on_tick(3.0, 1)  # 1 in flight under a limit of 16
+    assert ctl.state()["token_budget"] == 2850
+    assert not ctl.fits(10, 2000, 301)
