@@ -90,7 +90,7 @@ class KneeConfig(BaseControllerConfig):
         1.0,
         ge=0,
         le=1.0,
-        description="the budget's share while the engine drained within a request's life",
+        description="the token budget's KV-cache share for a request's life after a drain",
     )
     kv_learn: float = Field(
         0.05, gt=0, le=1, description="weight of one scrape in the KV capacity estimate"
