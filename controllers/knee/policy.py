@@ -374,9 +374,24 @@ class Knee(Windowed):
         return steady and self._room.grounded
 
     def _grow(self, level: float) -> float:
+        """How far a saturated window may raise the limit: one climb step, weighed by the
+        fitted curve's elasticity at `level` (a step that adds little throughput is a small
+        one), within two steps of the engine's room or one step past the highest level
+        measured.
+
+        A full step where the engine's measured room (`Room.grounded`) is near and the
+        fitted curve still rises through it (its knee is at or past the room): the room,
+        not the curve, stops the climb (the target caps it), and the elasticity at levels
+        under the room only slowed the approach. On H100 (gpu-h100, seed 4: a soft curve
+        whose fitted knee read 1010, past a room of ~630) the limit took 15 s to climb from
+        273 to 583 by steps of x1.35, x1.29, x1.23; with a full step, 273 -> 547 at 33.5 s
+        and 625 at 41.5 s (docs/benchmarks.md, "The climb to a measured room")."""
         step = 1 + self.cfg.climb
         grow = self._limit * (1 + self.cfg.climb * self._curve.elasticity(level))
         if self._room.value <= step * step * self._limit:
+            fit, _ = self._curve.knee()
+            if self._room.grounded and (fit is None or fit >= self._room.value):
+                return step * self._limit  # the curve rises through the room: the target stops it
             return grow  # the engine's room is within two steps: it stops the climb
         # else at most one step past the highest level measured (the initial limit before
         # any): doublings never measured overshoot a flat plateau

@@ -433,6 +433,36 @@ def test_a_level_whose_last_scrape_collapsed_does_not_grow() -> None:
     assert (ctl.limit, ctl.ceiling()) == (32, math.inf)
 
 
+def _climb_to_a_measured_room(knee_at: float) -> Knee:
+    """Levels 8, 16, 32 of tput = 50 c / (1 + c / `knee_at`) measured app-limited under a
+    limit of 64 (the KV cache 5% full: no room measured), then a saturated window at 64 that
+    fills 30% of the cache: a measured room of ~225, within two climb steps of 64."""
+    ctl = make(initial=64, probe_every=100)
+    total, t = [0.0], 0.0
+    for c in (8, 8, 16, 32, 64):
+        t = engine_level(ctl, t, c, 50 * c / (1 + c / knee_at), kv=0.05 if c < 64 else 0.3,
+                         total=total)
+    assert ctl.fit()["room"] == pytest.approx(224.9, abs=0.1)
+    return ctl
+
+
+def test_a_curve_that_rises_through_the_measured_room_climbs_a_full_step() -> None:
+    # H100: the fitted knee (1952) lies past the room (225); the room, not the curve's
+    # elasticity at 64 (0.79: 64 x 1.79 = 115), bounds the climb
+    ctl = _climb_to_a_measured_room(200.0)
+    assert ctl.knee()[0] == pytest.approx(1952.2, abs=0.1)
+    assert ctl.limit == 128
+
+
+def test_a_curve_that_bends_under_the_measured_room_climbs_by_its_elasticity() -> None:
+    # the fitted knee (163) lies under the room: a step past 64 adds less (elasticity
+    # 0.24), and the climb is weighed by it: 64 x 1.24 = 79, where a full step would go to
+    # the target (0.95 x 163 x this gateway's share of the engine, read 3/4 here: 116)
+    ctl = _climb_to_a_measured_room(20.0)
+    assert ctl.knee()[0] == pytest.approx(162.5, abs=0.1)
+    assert ctl.limit == 79
+
+
 def test_a_queue_of_one_beside_hundreds_running_is_jitter() -> None:
     # 400 running at 40% of the KV cache: room for 1000; one prefill waits for the next step
     ctl = make(initial=401, max_limit=2048)
