@@ -447,7 +447,7 @@ def _climb_to_a_measured_room(knee_at: float) -> Knee:
 
 
 def test_a_curve_that_rises_through_the_measured_room_climbs_a_full_step() -> None:
-    # H100: the fitted knee (1952) lies past the room (225); the room, not the curve's
+    # as on H100, the fitted knee (1952) lies past the room (225); the room, not the curve's
     # elasticity at 64 (0.79: 64 x 1.79 = 115), bounds the climb
     ctl = _climb_to_a_measured_room(200.0)
     assert ctl.knee()[0] == pytest.approx(1952.2, abs=0.1)
