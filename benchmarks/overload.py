@@ -28,6 +28,12 @@ Arms (`--arms`, comma-separated):
                   the 20% back-off of benchmarks.sweep; keep each step longer than one answer
                   at the top level, or that level reads low)
 
+`--rounds N` runs every arm N times per load, round by round (round r's arrivals drawn with
+the seed + 7919 r, the same for every arm in it), then prints each arm's medians: goodput,
+/cap, /direct and /valve (goodput over the round's best valve arm) taken within each round,
+its TTFT p99 from send (median and worst) and every round's goodput. vLLM's CPU build drifts
+by +-10% between runs of one arm; a ratio from one round cannot tell 0.86 from 0.95.
+
 `--keys heavy:8,light:1` gives each user an API key (`Authorization: Bearer NAME`), drawn by
 those shares: the tenants of issue 15. Each cell then prints a line per key: its demand
 (output tokens/s its measured users asked for), the fraction of that demand completed with a
@@ -84,7 +90,7 @@ import statistics
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +106,7 @@ __all__ = ["Arm", "Record", "gateway_medians", "main", "metric_totals", "parse_a
            "summarize", "valve_sizes"]
 
 ARMS = ("direct", "valve", "kneegate", "kneegate-w2", "kneegate-fixed")
+_ROUND_SEED = 7919  # a round's arrivals: seed + this x the round (round 0: the seed's own)
 _STARTUP_S = 10.0  # what the table's time bound allows per cell to start and stop processes
 
 
@@ -572,6 +579,7 @@ class Report:
     valve_tokens: list[int] = field(default_factory=list)
     sweep: Any = None
     rows: list[dict[str, Any]] = field(default_factory=list)
+    medians: list[dict[str, Any]] = field(default_factory=list)  # `--rounds` > 1
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -592,10 +600,11 @@ def _run(args: argparse.Namespace) -> Report:
     print(rep.command)
     n_valves = 0 if "valve" not in names else (
         len(args.valve_tokens.split(",")) if args.valve_tokens else 3)
-    cells = (len(names) - ("valve" in names) + n_valves) * len(loads)
+    cells = (len(names) - ("valve" in names) + n_valves) * len(loads) * args.rounds
     per_cell = args.warmup + args.seconds + args.request_timeout + _STARTUP_S
-    print(f"{cells} cells (arms x loads), each at most {per_cell:g} s (warm-up {args.warmup:g} "
-          f"+ measured {args.seconds:g} + drain <= {args.request_timeout:g} + start/stop); "
+    print(f"{cells} cells (arms x loads x rounds), each at most {per_cell:g} s (warm-up "
+          f"{args.warmup:g} + measured {args.seconds:g} + drain <= {args.request_timeout:g} "
+          f"+ start/stop); "
           f"total <= {cells * per_cell / 60:.1f} min after the capacity phase", flush=True)
     need_sweep = "kneegate-fixed" in names and args.fixed_limit is None
     if args.capacity is not None:  # taken as given: runs side by side offer the same rate
@@ -626,29 +635,93 @@ def _run(args: argparse.Namespace) -> Report:
     print(_COLS, flush=True)
     for load in loads:
         rate = load * rep.capacity_rps
-        direct_done: float | None = None  # the direct arm's completed tok/s at this load
-        for arm in arms:
-            watched: dict[str, list[float]] | None = (
-                None if arm.gateway_flags is None else {})
-            with _serving(arm, args.profile, args.upstream, args.start_vllm) as url:
-                recs = asyncio.run(run_cell(url, rate, args, seed=args.seed + int(load * 1000),
-                                            watched=watched))
-            s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective,
-                          args.tpot_objective)
-            s.update(gateway_medians(watched or {}))
-            if arm.name == "direct":
-                direct_done = s["completed_tok_s"]
-            s["goodput_over_direct_done"] = (
-                s["goodput_tok_s"] / direct_done if direct_done else None)
-            keys = per_key(recs, args.seconds, args.max_tokens, args.objective)
-            rep.rows.append({"arm": arm.name, "load": load, "offered_rps": rate,
-                             "sent_rps": s["users"] / args.seconds, **s,
-                             **({"keys": keys} if args.keys else {})})
-            print(_row(arm.name, load, rate, s), flush=True)
-            if args.keys:
-                for key, k in keys.items():
-                    print(_key_row(key, k), flush=True)
+        for rnd in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {rnd + 1} of {args.rounds}, load {load:g}", flush=True)
+            direct_done: float | None = None  # the direct arm's completed tok/s this round
+            for arm in arms:
+                watched: dict[str, list[float]] | None = (
+                    None if arm.gateway_flags is None else {})
+                # every arm of a round meets the same arrivals; each round draws its own
+                seed = args.seed + int(load * 1000) + _ROUND_SEED * rnd
+                with _serving(arm, args.profile, args.upstream, args.start_vllm) as url:
+                    recs = asyncio.run(run_cell(url, rate, args, seed=seed, watched=watched))
+                s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective,
+                              args.tpot_objective)
+                s.update(gateway_medians(watched or {}))
+                if arm.name == "direct":
+                    direct_done = s["completed_tok_s"]
+                s["goodput_over_direct_done"] = (
+                    s["goodput_tok_s"] / direct_done if direct_done else None)
+                keys = per_key(recs, args.seconds, args.max_tokens, args.objective)
+                rep.rows.append({"arm": arm.name, "load": load, "round": rnd,
+                                 "offered_rps": rate, "sent_rps": s["users"] / args.seconds, **s,
+                                 **({"keys": keys} if args.keys else {})})
+                print(_row(arm.name, load, rate, s), flush=True)
+                if args.keys:
+                    for key, k in keys.items():
+                        print(_key_row(key, k), flush=True)
+    if args.rounds > 1:
+        rep.medians = round_medians(rep.rows)
+        print(f"\nmedians over {args.rounds} rounds (ratios taken within each round)")
+        print(_MEDIAN_COLS)
+        for m in rep.medians:
+            print(_median_row(m))
     return rep
+
+
+def round_medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each (arm, load)'s medians over its rounds. The ratios are taken within a round (its
+    arms met the same arrivals, one after another on one machine), then their median: an
+    engine whose speed drifts between rounds moves every arm of a round together.
+
+    `over_best_valve`: goodput over the best valve arm's in the same round (None in a
+    round without one), the ratio issue 12's real-vLLM goal is judged by."""
+    best_valve: dict[tuple[float, int], float] = {}
+    for r in rows:
+        if r["arm"].startswith("valve-"):
+            key = (r["load"], r.get("round", 0))
+            best_valve[key] = max(best_valve.get(key, 0.0), r["goodput_tok_s"])
+    cells: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["arm"], r["load"]), []).append(r)
+
+    def med(values: Iterable[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    out = []
+    for (arm, load), rs in cells.items():
+        valve = [best_valve.get((load, r.get("round", 0))) for r in rs]
+        goodputs = [r["goodput_tok_s"] for r in rs]
+        ratios = [g / v if v else None for g, v in zip(goodputs, valve, strict=True)]
+        out.append({
+            "arm": arm, "load": load, "rounds": len(rs), "goodput_tok_s": goodputs,
+            "goodput_p50": med(goodputs),
+            "goodput_over_capacity_p50": med([r["goodput_over_capacity"] for r in rs]),
+            "over_direct_p50": med([r["goodput_over_direct_done"] for r in rs]),
+            "over_best_valve": ratios,
+            "over_best_valve_p50": med(ratios),
+            "ttft_p99_ms_p50": med([r["ttft_p99_ms"] for r in rs]),
+            "ttft_p99_ms_max": max(
+                (r["ttft_p99_ms"] for r in rs if r["ttft_p99_ms"] is not None), default=None),
+        })
+    return out
+
+
+_MEDIAN_COLS = (f"{'arm':<16}{'load':>5}{'goodput':>9}{'/cap':>6}{'/direct':>8}"
+                f"{'/valve':>7}  {'TTFT p99 (worst)':<17}{'goodput, each round'}")
+
+
+def _median_row(m: dict[str, Any]) -> str:
+    def f(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    each = " ".join(f"{g:.0f}" for g in m["goodput_tok_s"])
+    tail = f"{f(m['ttft_p99_ms_p50'], '.0f')} ({f(m['ttft_p99_ms_max'], '.0f')})"
+    return (f"{m['arm']:<16}{m['load']:>5g}{f(m['goodput_p50'], '.0f'):>9}"
+            f"{f(m['goodput_over_capacity_p50'], '.2f'):>6}{f(m['over_direct_p50'], '.2f'):>8}"
+            f"{f(m['over_best_valve_p50'], '.2f'):>7}  {tail:<17}{each}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -688,6 +761,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep-seconds", type=float, default=10.0, help="measured, per level")
     ap.add_argument("--keys", help="API keys and their shares of the users, e.g. heavy:8,light:1")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every arm this many times per load, in turn, and print each "
+                    "arm's medians (ratios taken within a round): for an engine whose speed "
+                    "drifts between runs, as vLLM's CPU build does by +-10%%")
     ap.add_argument("--json", type=Path, help="write the run (rows and settings) here")
     return ap
 
@@ -701,6 +778,8 @@ def main(argv: list[str] | None = None) -> int:
         parse_arms(args.arms, [1], 1)
     except ValueError as exc:
         ap.error(str(exc))
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     rep = run(args)
     if args.json:
         args.json.write_text(json.dumps(asdict(rep), indent=2))
