@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -240,17 +241,44 @@ def test_a_level_read_by_one_scrape_after_a_rise_is_no_plateaus_foot() -> None:
     assert curve.knee() == (193.0, False)
 
 
+def test_a_level_read_by_one_scrape_is_no_reference_for_a_decline() -> None:
+    # vLLM's CPU build at 3x: a window's mean read 939 tokens/s at 30.5, the scrape after
+    # the rise to 61 read 1,394 (one second's counters; windows' means there read ~1,000),
+    # and the next window's mean at 113 read 977: a decline of 30% from the scrape put the
+    # knee at 61, where the engine ran 1,100-1,200 at ~100-135 behind vLLM's own valve
+    def curve_with(rise_is_scrape: bool, at_113: float = 977.0) -> Curve:
+        curve = Curve(KneeConfig())
+        for i, (c, tput) in enumerate([(30.5, 939.0), (61.0, 1394.0), (113.0, at_113)]):
+            w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
+            curve.learn(w, c, False, scrape=rise_is_scrape and c == 61.0)
+        return curve
+
+    # a window's mean of 1,394 at 61 is a reference: 977 at 113 is a decline from it
+    assert curve_with(rise_is_scrape=False).knee() == (61.0, False)
+    curve = curve_with(rise_is_scrape=True)
+    assert curve.view(math.inf)["decline_from"] is None
+    assert [p.concurrency for p in curve.kept()[0]] == [30.5, 61.0, 113.0]
+    # a decline from a window's mean still is one: 700 at 113, 25% under 939 at 30.5
+    curve = curve_with(rise_is_scrape=True, at_113=700.0)
+    assert curve.view(math.inf)["decline_from"] == 113.0
+    assert curve.knee() == (61.0, False)
+
+
 def test_a_window_near_a_level_read_by_one_scrape_measures_it() -> None:
     # vLLM's CPU build, the knee test that failed: the scrape just after the rise to 8 read
     # 342 tokens/s (8 clients direct read 205), the next window's mean at 12.83 read 221, a
     # decline of 35% from 8 that put the knee there and the limit at 7-8, where no window
-    # measured the bin of 8 again for the point's memory (300 s)
+    # measured the bin of 8 again for the point's memory (300 s). Now the scrape is no
+    # decline's reference (`Curve._until_decline`), and the fit, with its 342 in it, bends
+    # under 12.83: the knee lies in the direct sweep's region, 8..16
     curve = Curve(KneeConfig())
     climb = [(2.0, 133.0, False), (4.0, 175.0, False), (8.0, 342.0, True), (12.83, 221.0, False)]
     for i, (c, tput, once) in enumerate(climb):
         w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
         curve.learn(w, c, False, scrape=once)
-    assert curve.knee() == (8.0, False)
+    knee, rising = curve.knee()
+    assert curve.view(math.inf)["decline_from"] is None
+    assert knee is not None and 8.0 < knee < 12.83 and not rising
     # the limit under that knee: a window's mean at 7.6, within `pair` of 8, measures it
     curve.learn(summary(end=30.0, inflight=7.6, max_inflight=8, throughput=205.0), 7.6, False)
     assert sorted(p.concurrency for p in curve.points.values()) == [2.0, 4.0, 7.6, 12.83]
