@@ -102,8 +102,8 @@ from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
 from kneegate.benchmarks.overhead import _free_port, _process
 from kneegate.benchmarks.sweep import run_sweep
 
-__all__ = ["Arm", "Record", "gateway_medians", "main", "metric_totals", "parse_arms", "run",
-           "summarize", "valve_sizes"]
+__all__ = ["Arm", "Record", "gateway_medians", "main", "metric_totals", "parse_arms",
+           "round_medians", "run", "summarize", "valve_sizes"]
 
 ARMS = ("direct", "valve", "kneegate", "kneegate-w2", "kneegate-fixed")
 _ROUND_SEED = 7919  # a round's arrivals: seed + this x the round (round 0: the seed's own)
