@@ -407,6 +407,10 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1e3
 
 
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 _COLS = (f"{'arm':<16}{'load':>5}{'offered':>9}{'goodput':>9}{'/cap':>6}{'/direct':>8}"
          f"{'SLO gp':>7}{'done tok/s':>11}"
          f"{'rejected':>9}{'rej p99 ms':>11}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}"
@@ -415,17 +419,14 @@ _COLS = (f"{'arm':<16}{'load':>5}{'offered':>9}{'goodput':>9}{'/cap':>6}{'/direc
 
 
 def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
-    def f(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
     return (f"{arm:<16}{load:>5g}{offered:>9.1f}{s['goodput_tok_s']:>9.0f}"
-            f"{f(s['goodput_over_capacity'], '.2f'):>6}"
-            f"{f(s.get('goodput_over_direct_done'), '.2f'):>8}"
-            f"{f(s.get('slo_goodput_tok_s'), '.0f'):>7}{s['completed_tok_s']:>11.0f}"
-            f"{s['rejected']:>9d}{f(s['rejection_p99_ms'], '.0f'):>11}"
-            f"{f(s['ttft_p50_ms'], '.0f'):>9}{f(s['ttft_p99_ms'], '.0f'):>9}"
-            f"{f(s['tpot_p50_ms'], '.0f'):>9}{s['gave_up']:>8d}{s['errors']:>7d}"
-            f"{f(s.get('limit_p50'), '.0f'):>7}{f(s.get('in_flight_p50'), '.0f'):>10}")
+            f"{_fmt(s['goodput_over_capacity'], '.2f'):>6}"
+            f"{_fmt(s.get('goodput_over_direct_done'), '.2f'):>8}"
+            f"{_fmt(s.get('slo_goodput_tok_s'), '.0f'):>7}{s['completed_tok_s']:>11.0f}"
+            f"{s['rejected']:>9d}{_fmt(s['rejection_p99_ms'], '.0f'):>11}"
+            f"{_fmt(s['ttft_p50_ms'], '.0f'):>9}{_fmt(s['ttft_p99_ms'], '.0f'):>9}"
+            f"{_fmt(s['tpot_p50_ms'], '.0f'):>9}{s['gave_up']:>8d}{s['errors']:>7d}"
+            f"{_fmt(s.get('limit_p50'), '.0f'):>7}{_fmt(s.get('in_flight_p50'), '.0f'):>10}")
 
 
 # -- arms and processes --------------------------------------------------------------------
@@ -680,7 +681,7 @@ def round_medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     best_valve: dict[tuple[float, int], float] = {}
     for r in rows:
         if r["arm"].startswith("valve-"):
-            key = (r["load"], r.get("round", 0))
+            key = (r["load"], r["round"])
             best_valve[key] = max(best_valve.get(key, 0.0), r["goodput_tok_s"])
     cells: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for r in rows:
@@ -692,7 +693,7 @@ def round_medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for (arm, load), rs in cells.items():
-        valve = [best_valve.get((load, r.get("round", 0))) for r in rs]
+        valve = [best_valve.get((load, r["round"])) for r in rs]
         goodputs = [r["goodput_tok_s"] for r in rs]
         ratios = [g / v if v else None for g, v in zip(goodputs, valve, strict=True)]
         out.append({
@@ -714,14 +715,12 @@ _MEDIAN_COLS = (f"{'arm':<16}{'load':>5}{'goodput':>9}{'/cap':>6}{'/direct':>8}"
 
 
 def _median_row(m: dict[str, Any]) -> str:
-    def f(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
     each = " ".join(f"{g:.0f}" for g in m["goodput_tok_s"])
-    tail = f"{f(m['ttft_p99_ms_p50'], '.0f')} ({f(m['ttft_p99_ms_max'], '.0f')})"
-    return (f"{m['arm']:<16}{m['load']:>5g}{f(m['goodput_p50'], '.0f'):>9}"
-            f"{f(m['goodput_over_capacity_p50'], '.2f'):>6}{f(m['over_direct_p50'], '.2f'):>8}"
-            f"{f(m['over_best_valve_p50'], '.2f'):>7}  {tail:<17}{each}")
+    tail = f"{_fmt(m['ttft_p99_ms_p50'], '.0f')} ({_fmt(m['ttft_p99_ms_max'], '.0f')})"
+    return (f"{m['arm']:<16}{m['load']:>5g}{_fmt(m['goodput_p50'], '.0f'):>9}"
+            f"{_fmt(m['goodput_over_capacity_p50'], '.2f'):>6}"
+            f"{_fmt(m['over_direct_p50'], '.2f'):>8}"
+            f"{_fmt(m['over_best_valve_p50'], '.2f'):>7}  {tail:<17}{each}")
 
 
 def parser() -> argparse.ArgumentParser:

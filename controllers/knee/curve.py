@@ -296,12 +296,11 @@ class Curve:
         by `decline`, or power down to `power_floor` with a step that did not pay. A level
         read by one scrape after a rise (`Point.scrape`) is kept, but its throughput is no
         reference for a decline (its power still is: a step past it that did not pay is
-        still one): it reads
-        the engine decoding all it holds, and on vLLM's CPU build one second's counters
-        swing far besides (1,807 tokens/s at 121 in flight, 1,394 at 61, where windows'
-        means read 1,000-1,200 around them). As the best, it made the next window's mean a
-        decline: 977 at 113 after 1,394 at 61 put the knee at 61 (docs/benchmarks.md, "Real
-        vLLM in rounds")."""
+        still one). It reads the engine decoding all it holds, and on vLLM's CPU build one
+        second's counters swing far besides (1,807 tokens/s at 121 in flight, 1,394 at 61,
+        where windows' means read 1,000-1,200 around them). As the best, it made the next
+        window's mean a decline: 977 at 113 after 1,394 at 61 put the knee at 61
+        (docs/benchmarks.md, "Real vLLM in rounds")."""
         kept: list[Point] = []
         best_x = 0.0
         best: tuple[float, Point] | None = None  # the highest power so far, and its level
