@@ -48,19 +48,21 @@ async def test_parser_reads_vllms_real_metric_names(vllm: VllmServer) -> None:
 
 
 async def test_gateway_scrapes_vllm_and_shows_a_running_request(vllm: VllmServer) -> None:
+    # A scrape may wait 10 s: vLLM binds its model worker to one core and leaves the other
+    # to its API server, which here shares it with this test's gateway and client. CI once
+    # saw every scrape time out at 3 s while an answer streamed, and answer at once after.
     app = build_app(parse_config({"tick_interval": 0.02, "upstreams": [{
         "name": "vllm", "url": vllm.url, "controller": "fixed", "params": {"initial": 4},
-        "scrape": True, "scrape_interval": 0.2, "stale_after": 3.0}]}))
-    # One long answer after another until a scrape has seen one running. On a fast machine
-    # vLLM's CPU build decodes 400 tokens in under a second, which one answer alone can
-    # spend between two scrapes (CI saw that once); on 2 busy cores vLLM's API server may
-    # answer a scrape late or not at all, hence the long waits.
+        "scrape": True, "scrape_interval": 0.2, "stale_after": 10.0}]}))
+    # Two long answers at a time, one after another, until a scrape has seen one running:
+    # the engine is never idle between them. On a fast machine vLLM's CPU build decodes
+    # 400 tokens in under a second, which one answer alone can spend between two scrapes.
     long = {**REQ, "max_tokens": 900, "stream": True}
     found = anyio.Event()
     tails: list[bytes] = []
 
     async def keep_busy(client: httpx.AsyncClient, gw: str) -> None:
-        for _ in range(40):  # bounded: the wait below gives up after 30 s anyway
+        for _ in range(40):  # bounded: the wait below gives up after 60 s anyway
             async with client.stream("POST", gw + "/v1/completions", json=long) as r:
                 assert r.status_code == 200
                 tails.append(b"".join([c async for c in r.aiter_raw()])[-64:])
@@ -70,8 +72,9 @@ async def test_gateway_scrapes_vllm_and_shows_a_running_request(vllm: VllmServer
     async with serve(app) as gw, httpx.AsyncClient(timeout=60) as client:
         async with anyio.create_task_group() as tg:
             tg.start_soon(keep_busy, client, gw)
+            tg.start_soon(keep_busy, client, gw)
             seen = await _wait_status(
-                client, gw, lambda e: e.get("running", 0) >= 1 and not e["stale"], 30)
+                client, gw, lambda e: e.get("running", 0) >= 1 and not e["stale"], 60)
             found.set()
         idle = await _wait_status(client, gw, lambda e: e.get("running") == 0, 30)
         m = scrape((await client.get(gw + "/metrics")).text)
@@ -101,4 +104,8 @@ async def _wait_status(
                 seen = [*seen[-4:], engine]
                 await asyncio.sleep(0.05)
     except TimeoutError:
-        pytest.fail(f"no such engine figures within {seconds:g}s; the last seen: {seen}")
+        m = scrape((await client.get(gw + "/metrics")).text)
+        outcomes = {o: total(m, "kneegate_engine_scrapes_total", outcome=o)
+                    for o in ("ok", "timeout", "error", "http_error", "unparsable")}
+        pytest.fail(f"no such engine figures within {seconds:g}s; the last seen: {seen}; "
+                    f"scrapes by outcome: {outcomes}")
