@@ -291,3 +291,23 @@ def test_a_window_near_a_level_read_by_one_scrape_measures_it() -> None:
         far.learn(w, c, False, scrape=once)
     far.learn(summary(end=30.0, inflight=6.9, max_inflight=7, throughput=200.0), 6.9, False)
     assert 8.0 in [p.concurrency for p in far.points.values()]
+
+
+def test_levels_closer_than_half_again_are_no_plateau() -> None:
+    # vLLM's CPU build at 3x: windows' means read 951 tokens/s at 25.7, 811 at 27.2 and 957
+    # at 30.0, where 5 s windows at a fixed 30 read 850-1,055 and a fixed 60 read 1,079-1,112
+    # (elasticity ~0.18); a 17% step's gain is noise, and a plateau from 25.7 held the limit
+    # at 24 for the rest of the run
+    def curve_with(*levels: tuple[float, float]) -> Curve:
+        curve = Curve(KneeConfig())
+        for i, (c, tput) in enumerate(levels):
+            curve.learn(summary(end=5.0 * (i + 1), inflight=c, max_inflight=c,
+                                throughput=tput), c, False)
+        return curve
+
+    close = [(25.7, 951.0), (27.2, 811.0), (30.0, 957.0)]
+    assert curve_with(*close).knee() == (None, True)
+    # twice the level, +13%: it pays, and the fitted curve's knee lies past it
+    assert curve_with(*close, (59.2, 1079.0)).knee() == (pytest.approx(100.74, abs=0.01), True)
+    # a step of half again or more that adds nothing is still a plateau
+    assert curve_with(*close, (59.2, 960.0)).knee() == (25.7, False)
