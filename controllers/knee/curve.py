@@ -262,12 +262,12 @@ class Curve:
     def _flat(self, kept: list[Point]) -> float:
         """The lowest kept level from which no step up of `SPAN` (1.5x) or more to a kept
         level pays (measured, not fitted: on a flat plateau the saturating model need not
-        bend). Not a shorter step: where 5 s windows at one level differ by 6% (vLLM's CPU
-        build, a fixed 30 in flight: 850-1,055 tokens/s), a 17% step's elasticity reads
-        +-0.5 from noise alone against an e_min of 0.11; 951 tokens/s at 25.7 and 957 at
-        30.0 read as a plateau from 25.7 and held the limit at 24, where a fixed 60 reads
-        13% more than 30. A step of 1.5x at the suite's seeds 7 and 1 moved no scenario but
-        cpu-tiny-3x (0.976 -> 0.980 of the oracle at seed 7)."""
+        bend). Not a shorter step: where 5 s windows at one level differ by ~6% (vLLM's CPU
+        build, held at 27-30: 783-957 tokens/s), a 17% step's elasticity reads +-0.5 from
+        noise alone against an e_min of 0.11; 951 tokens/s at 25.7 and 957 at 30.0 read as
+        a plateau from 25.7 and held the limit at 24, where a closed-loop sweep reads 60 in
+        flight 15% above 30. A step of 1.5x at the suite's seeds 7 and 1 moved no scenario
+        but cpu-tiny-3x (0.976 -> 0.980 of the oracle at seed 7)."""
         e_min = self.e_min()
         # a draining window's mean in-flight understates the level its throughput came from
         kept = [p for p in kept if p.steady]

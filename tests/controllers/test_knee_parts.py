@@ -295,9 +295,9 @@ def test_a_window_near_a_level_read_by_one_scrape_measures_it() -> None:
 
 def test_levels_closer_than_half_again_are_no_plateau() -> None:
     # vLLM's CPU build at 3x: windows' means read 951 tokens/s at 25.7, 811 at 27.2 and 957
-    # at 30.0, where 5 s windows at a fixed 30 read 850-1,055 and a fixed 60 read 1,079-1,112
-    # (elasticity ~0.18); a 17% step's gain is noise, and a plateau from 25.7 held the limit
-    # at 24 for the rest of the run
+    # at 30.0 (783-957 in the run's windows held at 27-30), where a closed-loop sweep reads
+    # 60 in flight 15% above 30; a 17% step's gain is noise, and a plateau from 25.7 held
+    # the limit at 24 for the rest of the run
     def curve_with(*levels: tuple[float, float]) -> Curve:
         curve = Curve(KneeConfig())
         for i, (c, tput) in enumerate(levels):
