@@ -39,6 +39,16 @@ def summary(**overrides: Any) -> Summary:
     return Summary(**fields)
 
 
+def climbed(levels: list[tuple[float, float]], scrape_at: float | None = None) -> Curve:
+    """A curve learnt from one steady window per (level, tokens/s), 5 s apart; the level
+    `scrape_at` read by one scrape just after a rise (`Knee._climbed`)."""
+    curve = Curve(KneeConfig())
+    for i, (c, tput) in enumerate(levels):
+        w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
+        curve.learn(w, c, False, scrape=c == scrape_at)
+    return curve
+
+
 def calibrated(prompt: int = 100, answer: int = 100) -> Calibration:
     """One finished request of `prompt` + `answer` tokens: held answer = answer / 2."""
     cal = Calibration(learned=200)
@@ -224,12 +234,8 @@ def test_a_level_read_by_one_scrape_after_a_rise_is_no_plateaus_foot() -> None:
     # H100, seed 1: the scrape just after the rise to 193 read 9,503 tokens/s (a fixed limit
     # of 193 holds 8,143); the next window's mean at 387 read 9,976, +5% for twice the level
     def curve_with(foot_is_scrape: bool) -> Curve:
-        curve = Curve(KneeConfig())
         levels = [(32.0, 2925.0), (64.0, 5063.0), (128.0, 7484.0), (193.0, 9503.0), (387.0, 9976.0)]
-        for i, (c, tput) in enumerate(levels):
-            w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
-            curve.learn(w, c, False, scrape=foot_is_scrape and c == 193.0)
-        return curve
+        return climbed(levels, 193.0 if foot_is_scrape else None)
 
     assert curve_with(foot_is_scrape=False).knee() == (193.0, False)
     knee, rising = curve_with(foot_is_scrape=True).knee()
@@ -247,11 +253,8 @@ def test_a_level_read_by_one_scrape_is_no_reference_for_a_decline() -> None:
     # and the next window's mean at 113 read 977: a decline of 30% from the scrape put the
     # knee at 61, where the engine ran 1,100-1,200 at ~100-135 behind vLLM's own valve
     def curve_with(rise_is_scrape: bool, at_113: float = 977.0) -> Curve:
-        curve = Curve(KneeConfig())
-        for i, (c, tput) in enumerate([(30.5, 939.0), (61.0, 1394.0), (113.0, at_113)]):
-            w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
-            curve.learn(w, c, False, scrape=rise_is_scrape and c == 61.0)
-        return curve
+        levels = [(30.5, 939.0), (61.0, 1394.0), (113.0, at_113)]
+        return climbed(levels, 61.0 if rise_is_scrape else None)
 
     # a window's mean of 1,394 at 61 is a reference: 977 at 113 is a decline from it
     assert curve_with(rise_is_scrape=False).knee() == (61.0, False)
@@ -271,11 +274,8 @@ def test_a_window_near_a_level_read_by_one_scrape_measures_it() -> None:
     # measured the bin of 8 again for the point's memory (300 s). Now the scrape is no
     # decline's reference (`Curve._until_decline`), and the fit, with its 342 in it, bends
     # under 12.83: the knee lies in the direct sweep's region, 8..16
-    curve = Curve(KneeConfig())
-    climb = [(2.0, 133.0, False), (4.0, 175.0, False), (8.0, 342.0, True), (12.83, 221.0, False)]
-    for i, (c, tput, once) in enumerate(climb):
-        w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
-        curve.learn(w, c, False, scrape=once)
+    climb = [(2.0, 133.0), (4.0, 175.0), (8.0, 342.0), (12.83, 221.0)]
+    curve = climbed(climb, scrape_at=8.0)
     knee, rising = curve.knee()
     assert curve.view(math.inf)["decline_from"] is None
     assert knee is not None and 8.0 < knee < 12.83 and not rising
@@ -285,10 +285,7 @@ def test_a_window_near_a_level_read_by_one_scrape_measures_it() -> None:
     knee, rising = curve.knee()
     assert knee is not None and knee > 12.83 and rising  # the fit: still rising at the top
     # a window's mean further than `pair` from such a level leaves it as it was
-    far = Curve(KneeConfig())
-    for i, (c, tput, once) in enumerate(climb[:3]):
-        w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
-        far.learn(w, c, False, scrape=once)
+    far = climbed(climb[:3], scrape_at=8.0)
     far.learn(summary(end=30.0, inflight=6.9, max_inflight=7, throughput=200.0), 6.9, False)
     assert 8.0 in [p.concurrency for p in far.points.values()]
 
@@ -298,16 +295,9 @@ def test_levels_closer_than_half_again_are_no_plateau() -> None:
     # at 30.0 (783-957 in the run's windows held at 27-30), where a closed-loop sweep reads
     # 60 in flight 15% above 30; a 17% step's gain is noise, and a plateau from 25.7 held
     # the limit at 24 for the rest of the run
-    def curve_with(*levels: tuple[float, float]) -> Curve:
-        curve = Curve(KneeConfig())
-        for i, (c, tput) in enumerate(levels):
-            curve.learn(summary(end=5.0 * (i + 1), inflight=c, max_inflight=c,
-                                throughput=tput), c, False)
-        return curve
-
     close = [(25.7, 951.0), (27.2, 811.0), (30.0, 957.0)]
-    assert curve_with(*close).knee() == (None, True)
+    assert climbed(close).knee() == (None, True)
     # twice the level, +13%: it pays, and the fitted curve's knee lies past it
-    assert curve_with(*close, (59.2, 1079.0)).knee() == (pytest.approx(100.74, abs=0.01), True)
+    assert climbed([*close, (59.2, 1079.0)]).knee() == (pytest.approx(100.74, abs=0.01), True)
     # a step of half again or more that adds nothing is still a plateau
-    assert curve_with(*close, (59.2, 960.0)).knee() == (25.7, False)
+    assert climbed([*close, (59.2, 960.0)]).knee() == (25.7, False)
