@@ -38,7 +38,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from kneegate.benchmarks.engine.cost import StepCost
+from kneegate.benchmarks.engine.cost import StepCost, Wander
 from kneegate.benchmarks.engine.profiles import Profile
 
 __all__ = [
@@ -127,6 +127,7 @@ class EngineCore:
         self.slowdown = 1.0  # capacity knob: step durations are multiplied by it
         self._cost = StepCost.from_profile(profile)
         self._rng = random.Random(seed)
+        self._wander = Wander(profile.cost.jitter, profile.cost.jitter_s, seed + 1)
         self._block = profile.engine.block_size
         self._max_seqs = profile.engine.max_num_seqs
         self._budget = profile.engine.max_num_batched_tokens
@@ -279,6 +280,7 @@ class EngineCore:
         if any(e.finished for e in events):
             self._running = [r for r in self._running if self._by_id.get(r.id) is r]
         seconds = self._cost.seconds(len(scheduled), prefill + decode, sampled, attn, context)
+        seconds *= self._wander.factor(seconds)
         return StepResult(seconds * self.slowdown, events, prefill, decode, preempted, started)
 
     def _emit(self, r: _Req) -> TokenEvent:

@@ -20,15 +20,23 @@ plus a part per sequence (its FLOPs and KV read), and throughput b / step(b) ben
 towards 1 / per-sequence cost instead of turning the roofline's corner. Measured on vLLM's CPU
 build (profile cpu-tiny-avx2): the max() form, fitted, missed the live tok/s curve by up to
 24%; the sum fits it within 7%.
+
+A real host's speed is not constant: on vLLM's CPU build 5-second windows held at one level
+read throughputs ~6-10% apart (docs/benchmarks.md, "A plateau read over 1.5x"). `Wander`
+models that (profile keys `jitter`, `jitter_s`): each step's time is multiplied by exp(x),
+x an Ornstein-Uhlenbeck process in engine time with sd `jitter` and correlation time
+`jitter_s` (a window of one correlation time averages to an sd of ~0.86 x `jitter`).
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
 from kneegate.benchmarks.engine.profiles import Profile
 
-__all__ = ["StepCost"]
+__all__ = ["StepCost", "Wander"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +88,24 @@ class StepCost:
         memory = (self.weight_bytes + context * self.kv_bytes) * self.byte_s
         roof = max(compute, memory) if self.overlap else compute + memory
         return self.fixed_s + seqs * self.seq_s + roof
+
+
+class Wander:
+    """The host's speed as a factor on step time: exp(x), x an Ornstein-Uhlenbeck process with
+    sd `sigma` and correlation time `tau`, advanced by each step's own (engine) time. Its own
+    seeded random stream, so a profile without jitter draws nothing and runs as before."""
+
+    def __init__(self, sigma: float, tau: float, seed: int) -> None:
+        if sigma < 0 or tau <= 0:
+            raise ValueError(f"jitter must be >= 0 and jitter_s > 0, got {sigma} and {tau}")
+        self.sigma, self.tau = sigma, tau
+        self._rng = random.Random(seed)
+        self._x = self._rng.gauss(0.0, sigma) if sigma > 0 else 0.0
+
+    def factor(self, seconds: float) -> float:
+        """The factor for a step that would take `seconds` at the mean speed."""
+        if self.sigma == 0 or seconds <= 0:
+            return 1.0
+        keep = math.exp(-seconds / self.tau)
+        self._x = self._x * keep + self.sigma * math.sqrt(1 - keep * keep) * self._rng.gauss(0, 1)
+        return math.exp(self._x)

@@ -87,6 +87,8 @@ class CostParams:
     tp_sync_s_per_layer: float
     eos_mean_tokens: float | None
     overlap: bool = True  # compute and memory overlap (GPU); False: they add (CPU)
+    jitter: float = 0.0  # the host's speed wanders: sd of ln(step time), 0 = none (cost.Wander)
+    jitter_s: float = 5.0  # ... its correlation time, engine-seconds
 
 
 @dataclass(frozen=True, slots=True)

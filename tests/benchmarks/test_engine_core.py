@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kneegate.benchmarks.engine.core import (
@@ -203,3 +205,32 @@ def test_no_caps_by_default() -> None:
     for i in range(300):
         c.add_request(EngineRequest(f"r{i}", 1000, 4))
     assert c.stats().waiting == 300 and c.admission() is None
+
+
+def _step_times(c: EngineCore, steps: int) -> list[float]:
+    c.add_request(EngineRequest("r", prompt_tokens=16, max_tokens=steps + 1))
+    return [c.step().duration for _ in range(steps)]
+
+
+def test_a_host_without_jitter_prices_every_decode_step_alike() -> None:
+    times = _step_times(core(), 50)[1:]  # after the prefill, one decode a step
+    assert max(times) / min(times) < 1.01  # only the context grows
+
+
+def test_a_wandering_host_scales_step_time_by_a_correlated_factor() -> None:
+    steady = _step_times(core(), 4001)[1:]
+    wander = _step_times(core(jitter=0.1, jitter_s=0.5), 4001)[1:]
+    logs = [math.log(w / s) for w, s in zip(wander, steady, strict=True)]
+    mean = sum(logs) / len(logs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs))
+    assert 0.06 < sd < 0.14  # the profile's 0.1, from ~4000 correlated steps
+    lag = round(0.5 / (sum(steady) / len(steady)))  # steps in one correlation time
+    pairs = list(zip(logs[:-lag], logs[lag:], strict=True))
+    corr = sum((a - mean) * (b - mean) for a, b in pairs) / len(pairs) / sd**2
+    assert 0.2 < corr < 0.55  # e^-1 = 0.37 one correlation time apart
+    assert _step_times(core(jitter=0.1, jitter_s=0.5), 200)[1:] == wander[:199]  # seeded
+
+
+def test_a_negative_jitter_is_refused() -> None:
+    with pytest.raises(ValueError, match="jitter must be >= 0"):
+        core(jitter=-0.1)
