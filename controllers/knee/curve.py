@@ -59,6 +59,7 @@ class Point:
     at: float
     steady: bool = False  # in-flight held level in the window, not a draining burst
     scrape: bool = False  # one scrape just after a rise (`Knee._climbed`), no window's mean
+    windows: int = 1  # windows averaged into it (a point read once may be one lucky window)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -159,6 +160,7 @@ class Curve:
             return
         old.concurrency = old.concurrency * (1 - a) + level * a
         old.throughput = old.throughput * (1 - a) + tput * a
+        old.windows += 1
         old.ttft_p90 = blend(old.ttft_p90, w.ttft_p90, a)
         old.tpot_p50 = blend(old.tpot_p50, w.tpot_p50, a)
         if bad or w.samples:  # no request finished, no latency read: no news on objectives

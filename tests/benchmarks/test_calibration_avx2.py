@@ -8,6 +8,8 @@ run made after the fit; the load and timing are those of
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,19 @@ def test_float32_model_doubles_the_bytes() -> None:
     assert model.weight_bytes == pytest.approx(4 * model.params)
     assert model.kv_bytes_per_token == 2 * 8 * 8 * 64 * 4  # 32 KiB: 2 GiB holds 65536 tokens
     assert load_profile("cpu-tiny").model.dtype_bytes == 2
+
+
+def test_the_gentle_profile_bends_as_the_faster_engine_did() -> None:
+    # cpu-tiny-gentle: session 21's vLLM (1,019 / 1,168 / 1,263 tokens/s at 30 / 60 / 120
+    # clients, elasticity 0.20 then 0.11): each level within 5%, and each doubling's gain
+    # within 0.07 of the engine's, so the curve still rises as gently past 60
+    real = load_real(DATA / "vllm-cpu-2026-12-03-sweep.json")
+    emulated = emulate("cpu-tiny-gentle", [p.level for p in real])
+    for r, e in zip(real, emulated, strict=True):
+        assert e.throughput == pytest.approx(r.throughput, rel=0.05), r.level
+    gains = [
+        [math.log(b.throughput / a.throughput) / math.log(2) for a, b in itertools.pairwise(xs)]
+        for xs in (real, emulated)
+    ]
+    for want, got in zip(*gains, strict=True):
+        assert got == pytest.approx(want, abs=0.07)

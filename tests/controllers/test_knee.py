@@ -50,6 +50,9 @@ def test_a_flat_plateau_is_a_knee_even_when_the_fit_does_not_bend() -> None:
     for c, tput in ((16, 900.0), (32, 1090.0), (32, 1090.0), (64, 1095.0)):
         t = window(ctl, t, c, tput)
     assert ctl.knee() == (32, False)
+    assert ctl.limit == 64  # one window at 64 says so: a second must confirm it
+    t = window(ctl, t, 64, 1095.0)
+    assert ctl.knee() == (32, False)
     assert ctl.limit == 30  # 0.95 x 32, down from 64
 
 
@@ -287,8 +290,10 @@ def test_a_rise_is_read_at_its_last_scrape_past_the_scrape_lag_and_the_prefills(
 
 def test_a_rise_that_reads_flat_waits_a_window() -> None:
     # flat from 16: the window after the rise to 32 may be its burst of prefills
+    # and the first window that reads 32 as flat is one window at the top: a second at 32
+    # confirms the plateau before the limit leaves it
     limits = engine_climb(make(initial=8), 6, lambda c: 25.0 * min(c, 16))
-    assert limits == [16, 32, 32, 17, 15, 15]
+    assert limits == [16, 32, 32, 32, 15, 15]
 
 
 def test_engine_curve_is_shared_by_gateways() -> None:
@@ -510,13 +515,14 @@ def test_a_probe_leaves_a_flat_plateau() -> None:
     t = window(ctl, 0.0, 16, 900.0)
     for c, tput in ((16, 900.0), (32, 1090.0), (32, 1090.0), (64, 1095.0)):
         t = window(ctl, t, c, tput)
+    assert ctl.limit == 64  # one window at 64: a second confirms the plateau
+    t = window(ctl, t, 64, 1095.0)
     assert ctl.limit == 30  # 0.95 x 32
-    for _ in range(2):
-        t = window(ctl, t, 30, 1085.0)
-        assert ctl.limit == 30
-    window(ctl, t, 30, 1085.0)
-    assert ctl.knee() == (30, False)  # 30 is as flat: the plateau starts there
-    assert ctl.limit == 33  # the third window at the knee probes 30 x 1.1 at once
+    t = window(ctl, t, 30, 1085.0)  # admitted before the cut: it measures nothing
+    assert ctl.limit == 30
+    window(ctl, t, 30, 1085.0)  # the third window with a knee (the second at 64 was one)
+    assert ctl.knee() == (32, False)
+    assert ctl.limit == 35  # a probe goes to 32 x 1.1 at once, not by the fit's elasticity ~0
 
 
 def test_a_faster_reading_beside_a_breach_does_not_lift_it() -> None:
