@@ -28,7 +28,7 @@ Regions, in order:
 
     confirm  not bad, the target cuts the limit by more than a bin, and the curve's top is
              the point this window learnt at the limit's level, one window's reading:
-             hold (`_unconfirmed`)
+             target = limit, so the regions below hold it (`_unconfirmed`)
     decline  bad: limit = min(target, backoff x min(limit, in-flight))
     linear   in-flight at the limit for >= `saturation` of the window, engine not full,
              its last scrape not a measured level's throughput fallen by more than
@@ -247,9 +247,9 @@ class Knee(Windowed):
         target = self._target(level) * self._share.update(
             w, level, not (idle or self._moved or self._epoch.draining(w.start)), c.smoothing
         )
-        if not bad and self._unconfirmed(w, level, target):
-            pass  # hold: the cut rests on one window at the top, which a second must confirm
-        elif bad:
+        if not bad and self._unconfirmed(w, target):
+            target = self._limit  # the cut rests on one window at the top: a second confirms
+        if bad:
             # decrease needs no proof of load: cut below what was actually in flight
             cut = min(self._limit, max(w.inflight, 1.0)) * c.backoff
             self._set_limit(max(1.0, min(target, cut)))
@@ -282,23 +282,23 @@ class Knee(Windowed):
         if self._limit < before:
             self._last_cut = w.end  # later samples admitted before this measure a level left
 
-    def _unconfirmed(self, w: Summary, level: float, target: float) -> bool:
+    def _unconfirmed(self, w: Summary, target: float) -> bool:
         """The target would cut the limit by more than a bin, and the curve's verdict that
-        puts it there rests on the point this window learnt at the top of the curve, one
-        window's reading (`Point.windows` 1), at the limit's level (within `pair` of it). A verdict of the curve (a plateau, a decline,
-        a fit) that no objective's breach backs holds the limit one window more, so that a
-        second window at the level joins the first before the limit leaves it: nothing
-        measures a level above the knee again for the point's `memory` (300 s).
+        puts it there rests on its top point, learnt in this window at the limit's level
+        (within `pair`) from one window's reading (`Point.windows` 1). A verdict of the
+        curve (a plateau, a decline, a fit) that no objective's breach backs holds the limit
+        one window more, so that a second window at the level joins the first before the
+        limit leaves it: nothing measures a level above the knee again for the point's
+        `memory` (300 s).
 
-        noisy-gentle-3x (a host whose speed wanders by ~10%, on a curve that bends gently), seed
-        3: the climb read 921 tokens/s at 32 and, one window, 952 at 64, where a fixed limit
-        of 64 holds ~1,150: a plateau from 32, and the limit held 30 for the rest of the run,
-        0.81 of the oracle (a fixed 88)."""
-        if target >= self._limit / (1 + self.cfg.bin_ratio):
-            return False
-        top, here = self._curve.highest(), self._curve.nearest(level)
-        return (top is not None and here is top and top.at == w.end and top.windows == 1
-                and not top.scrape and top.concurrency * self.cfg.pair >= self._limit)
+        noisy-gentle-3x (a host whose speed wanders by ~10%, on a curve that bends gently),
+        seed 3: the climb read 921 tokens/s at 32 and, one window, 952 at 64, where a fixed
+        limit of 64 holds ~1,150: a plateau from 32, and the limit held 30 for the rest of
+        the run, 0.81 of the oracle (a fixed 88)."""
+        top = self._curve.highest()
+        return (target < self._limit / (1 + self.cfg.bin_ratio) and top is not None
+                and top.at == w.end and top.windows == 1 and not top.scrape
+                and top.concurrency * self.cfg.pair >= self._limit)
 
     def _over_objective(self, w: Summary, ramped: bool) -> bool:
         """TTFT p90 or TPOT p50 over its objective. A window held at the limit with no
