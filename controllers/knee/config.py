@@ -1,10 +1,10 @@
 """`KneeConfig`: the knee controller's parameters, their defaults, ranges and meanings.
 
 Groups: the curve (`step_gain`, `decline`, `power_floor`, `pair`, `bin_ratio`, `smoothing`,
-`change`, `memory`, `objective_memory`); the regions (`headroom`, `climb`, `probe_every`,
-`probe_step`, `backoff`, `saturation`); the engine's room (`room_rise`, `queue_jitter`);
-windows (`window`, `min_samples`, `max_window`); prompt-size shifts (`admit_*`,
-`confirm_jump`, `footprint_jump`); the KV edge and token budget (`kv_*`).
+`change`, `memory`, `objective_memory`); the regions (`headroom`, `climb`, `tpot_aim`,
+`probe_every`, `probe_step`, `backoff`, `saturation`); the engine's room (`room_rise`,
+`queue_jitter`); windows (`window`, `min_samples`, `max_window`); prompt-size shifts
+(`admit_*`, `confirm_jump`, `footprint_jump`); the KV edge and token budget (`kv_*`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ class KneeConfig(BaseControllerConfig):
         0.02, ge=0.005, le=0.5, description="a 20% step adding less throughput is past the knee"
     )
     climb: float = Field(1.0, gt=0, le=4, description="most growth per window, x (1 + climb)")
+    tpot_aim: float = Field(
+        0.85,
+        gt=0.1,
+        le=1.0,
+        description="growth stops where TPOT p50, grown in step with the level, reaches this"
+        " x tpot_objective",
+    )
     decline: float = Field(0.2, gt=0, lt=0.9, description="throughput drop that ends the curve")
     power_floor: float = Field(
         0.5, ge=0, lt=1, description="power under this x the best ends a curve that stopped paying"

@@ -43,6 +43,18 @@ def test_growth_stops_where_the_ttft_grown_in_step_would_break_its_objective(
     assert ctl.limit == limit
 
 
+@pytest.mark.parametrize(("tpot", "limit"), [(0.03, 32), (0.07, 19), (0.09, 16)])
+def test_growth_stops_where_the_tpot_grown_in_step_would_pass_its_aim(
+    tpot: float, limit: int
+) -> None:
+    # a window at 16 whose answers ran at `tpot` a token: 16 x 0.85 x 0.1 / 0.07 = 19.4, not a
+    # doubling; 16 x 0.85 x 0.1 / 0.09 = 15.1 holds 16 (never a cut); 0.03 s leaves the doubling
+    ctl = make(tpot_objective=0.1, tpot_aim=0.85)
+    out, ttft = 100, 0.2
+    window(ctl, 0.0, 16, 16 * out / (ttft + tpot * (out - 1)), out=out, ttft=ttft)
+    assert ctl.limit == limit
+
+
 def test_a_flat_plateau_is_a_knee_even_when_the_fit_does_not_bend() -> None:
     # doubling from 32 to 64 adds 0.5%: the step does not pay, so the knee is 32
     ctl = make(initial=16, power_floor=0.0, probe_every=100)
@@ -79,8 +91,9 @@ def test_a_draining_window_is_no_plateau() -> None:
 
 
 def test_holds_headroom_below_the_engines_room() -> None:
-    # 16 running fill 40% of the KV cache: the engine has room for 40
-    ctl = make()
+    # 16 running fill 40% of the KV cache: the engine has room for 40 (answers at 79 ms a
+    # token at 32: an objective that does not bind, the room is what this test reads)
+    ctl = make(tpot_objective=1.0)
     t = engine_window(ctl, 0.0, 16, running=16, kv=0.4)
     assert ctl.limit == 32  # one slow-start step, still under 0.95 x 40
     engine_window(ctl, t, 32, running=32, kv=0.8)
