@@ -38,8 +38,8 @@ Regions, in order:
              limit x (1 + climb x elasticity)), and while the room is more than two climb
              steps away, no more than (1 + climb) x the highest level measured (every
              level of the climb is measured before the next); nor more than
-             limit x ttft_objective / TTFT p90 (`_close`), nor than
-             level x tpot_aim x tpot_objective / TPOT p50 (`_tpot_bound`)
+             limit x ttft_objective / TTFT p90, nor than
+             level x tpot_aim x tpot_objective / TPOT p50 (`_in_step`)
     low      the engine queued, or app-limited: limit = min(limit, target) (never grows);
              app-limited where the room was measured (grounded) and the window read a level
              (no move, no ramp): limit = target, the level the next demand meets (`_await`)
@@ -259,19 +259,10 @@ class Knee(Windowed):
             # demand exceeds the limit and the engine keeps up: grow, at most one climb step
             # a probe goes to its level at once (up to one climb step, `_probe_step`): on a
             # flat plateau the fit's elasticity is ~0 and a climb step would never leave the knee
-            # neither beyond the level whose TTFT p90, if it grew with the level, would meet
-            # its objective: where every prefill queues behind the others (vLLM's CPU build:
-            # TTFT 1 s at 8 running, 2 s at 16) the TTFT grows in step. There, at 3x, 16 with
-            # a TTFT p90 (dispatch to first token) of 1.35-1.94 s doubled to 32 (2.7-2.9 s) and
-            # the limit came back over ~30 s: users' TTFT p99 from send 3.0-3.6 s, 2.0-2.4 s
-            # with this rule, and goodput 1.05-1.28x in three runs side by side
-            # (docs/benchmarks.md). Where TTFT is far under its objective (every scenario of
-            # the simulator) it never binds.
+            # neither beyond where TTFT or TPOT, grown in step with the level, would pass its
+            # objective (`_in_step`)
             grow = self._probe_step(target) if self._probing else self._grow(level)
-            if w.ttft_p90:  # no further than where TTFT, grown in step, meets its objective
-                grow = min(grow, max(self._limit, self._limit * c.ttft_objective / w.ttft_p90))
-            grow = min(grow, self._tpot_bound(w, level))
-            self._set_limit(max(1.0, min(target, grow)))
+            self._set_limit(max(1.0, min(target, grow, self._in_step(w, level))))
         else:
             # app-limited or queued: hold — no demand tests whether the engine takes more (a
             # knee the curve measured still cuts: a decrease needs no proof of load); where
@@ -302,15 +293,23 @@ class Knee(Windowed):
                 and top.at == w.end and top.windows == 1 and not top.scrape
                 and top.concurrency * self.cfg.pair >= self._limit)
 
-    def _tpot_bound(self, w: Summary, level: float) -> float:
-        """How far TPOT lets a saturated window's limit grow: to the level at which the
-        window's TPOT p50, grown in proportion to the level, would reach `tpot_aim` x its
-        objective (never a cut: a breach cuts). On the plateau a step's time grows with the
-        batch it decodes, so TPOT grows with the level; under the knee it grows slower, and
-        the bound is loose (a doubling at TPOT under half the aim). Aimed under the
-        objective, not at it: every request's TPOT is judged, and at a p50 on the objective
-        half of them miss it.
+    def _in_step(self, w: Summary, level: float) -> float:
+        """How far a saturated window's limit may grow for latency: to where its TTFT p90,
+        grown in proportion to the limit, would meet `ttft_objective`, and its TPOT p50,
+        grown in proportion to the level, would reach `tpot_aim` x `tpot_objective`. Never
+        a cut (a breach cuts).
 
+        TTFT: where every prefill queues behind the others (vLLM's CPU build: TTFT 1 s at 8
+        running, 2 s at 16) TTFT grows in step. There, at 3x, 16 with a TTFT p90 (dispatch
+        to first token) of 1.35-1.94 s doubled to 32 (2.7-2.9 s) and the limit came back over
+        ~30 s: users' TTFT p99 from send 3.0-3.6 s, 2.0-2.4 s with the bound, and goodput
+        1.05-1.28x in three runs side by side (docs/benchmarks.md). Where TTFT is far under
+        its objective (every scenario of the simulator) it never binds.
+
+        TPOT: on the plateau a step's time grows with the batch it decodes, so TPOT grows
+        with the level; under the knee it grows slower, and the bound is loose (a doubling
+        at TPOT under half the aim). Aimed under the objective, not at it: every request's
+        TPOT is judged, and at a p50 on the objective half of them miss it.
         noisy-gentle-3x (a curve that bends gently, 0.1 s objective) at seed 5: a window at
         94 read 0.087 s, the limit doubled 128 -> 256, 133-140 ran at 0.098-0.108 s for
         ~25 s, and the cuts that followed read one window's 866 tokens/s at 122 as a decline
@@ -320,9 +319,13 @@ class Knee(Windowed):
         0.898 -> 0.933, worst 0.812 -> 0.891; noisy-cpu-3x mean 0.971 -> 0.978 (seed 7 0.978
         -> 0.920); the other 15 scenarios at seeds 7, 1-4 within 0.01 (docs/benchmarks.md,
         "TPOT stops the climb")."""
-        if not w.tpot_p50:
-            return math.inf
-        return max(self._limit, level * self.cfg.tpot_aim * self.cfg.tpot_objective / w.tpot_p50)
+        c = self.cfg
+        bound = math.inf
+        if w.ttft_p90:
+            bound = self._limit * c.ttft_objective / w.ttft_p90
+        if w.tpot_p50:
+            bound = min(bound, level * c.tpot_aim * c.tpot_objective / w.tpot_p50)
+        return max(self._limit, bound)
 
     def _over_objective(self, w: Summary, ramped: bool) -> bool:
         """TTFT p90 or TPOT p50 over its objective. A window held at the limit with no
