@@ -55,6 +55,36 @@ def test_growth_stops_where_the_tpot_grown_in_step_would_pass_its_aim(
     assert ctl.limit == limit
 
 
+@pytest.mark.parametrize(("tpot", "limits"), [(0.085, [32, 32]), (0.09, [32, 30]), (0.095, [32, 28])])
+def test_tpot_over_its_aim_brings_the_limit_back(tpot: float, limits: list[int]) -> None:
+    # the first window measures the start: growth stops at the aim (`_in_step`), never a cut.
+    # The second reads the level: 32 x 0.85 x 0.1 / 0.09 = 30.2; at 0.095 it would be 28.6,
+    # but one window cuts by no more than `backoff` (0.9 x 32 = 28.8); at the aim it holds
+    ctl = make(initial=32, tpot_objective=0.1, tpot_aim=0.85, probe_every=100)
+    out, ttft = 100, 0.2
+    tput = 32 * out / (ttft + tpot * (out - 1))
+    seen = []
+    t = 0.0
+    for _ in range(2):
+        t = window(ctl, t, 32, tput, out=out, ttft=ttft)
+        seen.append(ctl.limit)
+    assert seen == limits
+
+
+def test_a_window_without_latency_grows_no_further_than_its_levels_latency() -> None:
+    # 32 answered at 0.085 s a token, the aim (32 x 0.85 x 0.1 / 0.085 = 32): held twice;
+    # then a window whose answers carry no latency (as one closed on the engine's counters)
+    # would double the limit unbounded, where the curve's point at its level says TPOT holds
+    ctl = make(initial=32, tpot_objective=0.1, tpot_aim=0.85, probe_every=100)
+    out, ttft = 100, 0.2
+    tput = 32 * out / (ttft + 0.085 * (out - 1))
+    t = window(ctl, 0.0, 32, tput, out=out, ttft=ttft)
+    t = window(ctl, t, 32, tput, out=out, ttft=ttft)
+    assert ctl.limit == 32
+    window(ctl, t, 32, tput, out=out, ttft=None)
+    assert ctl.limit == 32
+
+
 def test_a_flat_plateau_is_a_knee_even_when_the_fit_does_not_bend() -> None:
     # doubling from 32 to 64 adds 0.5%: the step does not pay, so the knee is 32
     ctl = make(initial=16, power_floor=0.0, probe_every=100)

@@ -301,3 +301,29 @@ def test_levels_closer_than_half_again_are_no_plateau() -> None:
     assert climbed([*close, (59.2, 1079.0)]).knee() == (pytest.approx(100.74, abs=0.01), True)
     # a step of half again or more that adds nothing is still a plateau
     assert climbed([*close, (59.2, 960.0)]).knee() == (25.7, False)
+
+
+def test_a_step_that_lost_less_than_the_measured_noise_is_no_decline() -> None:
+    # the same points, 32: 1,000, 64: 1,400 (one window), 128: 1,300 (two windows) with
+    # latency grown 4x at 128 (power down to 1/5 of 64's): a decline from 64 where the two
+    # readings at 128 agree; where they read 1,500 and 1,100, one window wanders by ~22%
+    # (ln(1100 / 1500)^2 / 2 = 0.048), the step's gain of -0.11 has a standard error of
+    # sqrt(0.048 x 1.5) / ln 2 = 0.39, and the curve runs on past 64
+    def curve(at_128: tuple[float, float]) -> Curve:
+        c = Curve(KneeConfig())
+        readings = [(32.0, 1000.0, 0.2), (64.0, 1400.0, 0.2), (128.0, at_128[0], 1.0),
+                    (128.0, at_128[1], 1.0)]
+        for i, (lvl, tput, ttft) in enumerate(readings):
+            w = summary(end=5.0 * (i + 1), inflight=lvl, max_inflight=lvl, throughput=tput,
+                        ttft_p90=ttft, tpot_p50=0.02 if lvl < 100 else 0.1)
+            c.learn(w, lvl, False)
+        return c
+
+    agreeing, wandering = curve((1300.0, 1300.0)), curve((1500.0, 1100.0))
+    assert [p.throughput for p in wandering.kept()[0]] == [1000.0, 1400.0, 1300.0]
+    assert agreeing.noise() == 0.0
+    assert wandering.noise() == pytest.approx(math.log(1100 / 1500) ** 2 / 2)
+    assert agreeing.kept() == (agreeing.kept()[0][:2], True)
+    assert agreeing.knee() == (64.0, False)
+    knee, _ = wandering.knee()
+    assert knee is not None and knee > 64.0
