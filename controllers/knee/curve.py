@@ -42,6 +42,7 @@ objectives (`backoff` x that one when none is). Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,7 @@ class Curve:
         self.engine_mode: bool | None = None  # points are the engine's, not this gateway's
         # re-readings of a level: ln(new / old)^2 / (1 + old.var), one window's variance each
         self._repeats: deque[float] = deque(maxlen=NOISE_KEEP)
+        self._noise = 0.0  # their mean (`noise`), kept as they come: the verdicts read it often
 
     # --- learning -------------------------------------------------------------------------
 
@@ -171,6 +173,7 @@ class Curve:
             return
         if not (scrape or old.scrape) and tput > 0 and old.throughput > 0:
             self._repeats.append(math.log(tput / old.throughput) ** 2 / (1 + old.var))
+            self._noise = statistics.fmean(self._repeats)
         old.var = (1 - a) ** 2 * old.var + a * a
         old.concurrency = old.concurrency * (1 - a) + level * a
         old.throughput = old.throughput * (1 - a) + tput * a
@@ -274,7 +277,7 @@ class Curve:
     def noise(self) -> float:
         """One window's variance of ln(throughput) at one level, as the curve measured it:
         the mean of its last `NOISE_KEEP` re-readings of a level; 0 before any."""
-        return sum(self._repeats) / len(self._repeats) if self._repeats else 0.0
+        return self._noise
 
     def _unpaid(self, p: Point, q: Point) -> bool:
         """The step from p up to q did not pay: its gain is under e_min by one standard

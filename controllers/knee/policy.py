@@ -332,8 +332,14 @@ class Knee(Windowed):
         if ttft:
             bound = self._limit * c.ttft_objective / ttft
         if tpot:
-            bound = min(bound, level * c.tpot_aim * c.tpot_objective / tpot)
+            bound = min(bound, self._aim_level(level, tpot))
         return max(self._limit, bound)
+
+    def _aim_level(self, level: float, tpot: float) -> float:
+        """The level at which TPOT, read at `level` and grown in step with it, meets
+        `tpot_aim` x `tpot_objective`: where `_in_step` stops the climb and `_to_aim` brings
+        the limit back."""
+        return level * self.cfg.tpot_aim * self.cfg.tpot_objective / tpot
 
     def _latency(self, w: Summary, level: float) -> tuple[float | None, float | None]:
         """The window's (TTFT p90, TPOT p50); in a window no answer ended in (closed on the
@@ -360,8 +366,7 @@ class Knee(Windowed):
         1: 0.984 -> 0.937)."""
         if not w.tpot_p50:
             return math.inf
-        c = self.cfg
-        return max(c.backoff * self._limit, level * c.tpot_aim * c.tpot_objective / w.tpot_p50)
+        return max(self.cfg.backoff * self._limit, self._aim_level(level, w.tpot_p50))
 
     def _over_objective(self, w: Summary, ramped: bool) -> bool:
         """TTFT p90 or TPOT p50 over its objective. A window held at the limit with no
