@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import openai
 import pytest
@@ -118,31 +120,23 @@ async def test_client_disconnect_mid_stream_aborts_in_vllm_and_frees_the_slot(
     vllm:request_success_total{finished_reason="abort"}: OutputProcessor.abort_requests
     drops the request's state without recording finished-request stats (measured: direct
     and through the gateway alike, the counter stays 0). What shows the abort is that the
-    request stops running ~0.3 s after the disconnect, although its 900 tokens need ~10 s,
+    request stops running ~0.3 s after the disconnect, although its 900 tokens need ~7.5 s,
     its tokens stop, and it is never counted as finished for any other reason.
-    """
-    app = build_app(gw_config(vllm.url, limit=2))
-    up = app.gateway.pool.active[0]
-    req = {"model": "tiny", "prompt": PROMPT, "max_tokens": 900, "stream": True,
-           "ignore_eos": True}
-    async with serve(app) as gw, httpx.AsyncClient(timeout=30) as client:
-        before = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 60)
-        async with client.stream("POST", gw + "/v1/completions", json=req) as r:
-            assert r.status_code == 200
-            with anyio.fail_after(30):
-                async for chunk in r.aiter_raw():
-                    if b'"text":' in chunk:
-                        break  # vLLM is generating; now the client goes away
-            assert up.inflight == 1
-            gone_at = time.monotonic()
-        after = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 5)
-        stopped_after = time.monotonic() - gone_at
-        with anyio.fail_after(5):
-            while up.inflight:
-                await asyncio.sleep(0.01)
-        gw_metrics = scrape((await client.get(gw + "/metrics")).text)
-        later = await engine_counts(client, vllm.url)
-    assert stopped_after < 3.0  # running to its end would take ~10 s
+
+    An attempt through which this process was kept off the CPU for over a second measures
+    the machine, not the gateway, and runs again (five attempts at most). On this 2-core
+    VM, while vLLM generates (its worker and engine core at ~190% CPU), every other process
+    can miss the CPU for 4-8 s at once (measured: an outside sampler and `top` missed 6-8 s
+    while pytest, runnable, got 0.1%; 9 of 62 attempts, and 8 of 128 with every vLLM thread
+    at nice 10, so not CPU shares): the whole answer relayed before the client's first
+    read, or vLLM told of the disconnect seconds late (515-755 of 900 tokens made)."""
+    for _ in range(5):
+        if (seen := await _leave_mid_stream(vllm)) is not None:
+            break
+    else:
+        pytest.fail("this process was kept off the CPU for over a second in five attempts")
+    before, after, later, gw_metrics, stopped_after = seen
+    assert stopped_after < 3.0  # running to its end would take ~7.5 s
     generated = after["generated"] - before["generated"]
     assert 1 <= generated < 900 / 2
     assert later["generated"] == after["generated"]  # no tokens after it left
@@ -150,3 +144,56 @@ async def test_client_disconnect_mid_stream_aborts_in_vllm_and_frees_the_slot(
     assert later["finished"] - before["finished"] == later["abort"] - before["abort"]
     assert total(gw_metrics, "kneegate_requests_finished_total", outcome="client_cancelled") == 1
     assert total(gw_metrics, "kneegate_in_flight") == 0
+
+
+async def _leave_mid_stream(vllm: VllmServer) -> tuple[Any, ...] | None:
+    """Stream a 900-token answer through the gateway and leave after its first text: vLLM's
+    counts before / when it stopped / a moment later, the gateway's /metrics, the seconds
+    from leaving to vLLM's stop. None: this process was off the CPU for over a second in
+    the meantime (its loop's ticks say so; see the test's docstring)."""
+    app = build_app(gw_config(vllm.url, limit=2))
+    up = app.gateway.pool.active[0]
+    req = {"model": "tiny", "prompt": PROMPT, "max_tokens": 900, "stream": True,
+           "ignore_eos": True}
+    async with serve(app) as gw, httpx.AsyncClient(timeout=30) as client:
+        before = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 60)
+        async with anyio.create_task_group() as tg, ticks(tg) as missed:
+            async with client.stream("POST", gw + "/v1/completions", json=req) as r:
+                assert r.status_code == 200
+                with anyio.fail_after(30):
+                    async for chunk in r.aiter_raw():
+                        if b'"text":' in chunk:
+                            break  # vLLM is generating; now the client goes away
+                if missed() > 1.0:
+                    return None
+                assert up.inflight == 1
+                gone_at = time.monotonic()
+            after = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 10)
+            stopped_after = time.monotonic() - gone_at
+            if missed() > 1.0:
+                return None
+        with anyio.fail_after(5):
+            while up.inflight:
+                await asyncio.sleep(0.01)
+        gw_metrics = scrape((await client.get(gw + "/metrics")).text)
+        later = await engine_counts(client, vllm.url)
+    return before, after, later, gw_metrics, stopped_after
+
+
+@asynccontextmanager
+async def ticks(tg: anyio.abc.TaskGroup) -> AsyncIterator[Callable[[], float]]:
+    """The longest this loop's 50 ms ticks came late so far, in seconds, as a callable."""
+    late = 0.0
+
+    async def tick() -> None:
+        nonlocal late
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.05)
+            late = max(late, time.monotonic() - t - 0.05)
+
+    tg.start_soon(tick)
+    try:
+        yield lambda: late
+    finally:
+        tg.cancel_scope.cancel()
