@@ -74,6 +74,11 @@ columns follow the measured users to their end. Columns:
   limit, in flight  the gateway's, medians of its /metrics read every 0.5 s of the measured
              window (kneegate arms; the JSON also has the knee estimate's, `knee_p50`, and
              the prefill backlog's cap, `prefill_cap_p50`)
+  stall ms   this load generator's longest late tick (`_watch_loop`): it was kept off the
+             CPU that long, and what it timed meanwhile reads that much late. On the 2-core
+             VM, while vLLM's CPU build generates, every process beside it can miss the CPU
+             for 4-8 s at once (tests/real_vllm/test_vllm_relay.py's disconnect test): a
+             rejection p99 or TTFT tail of seconds in such a cell is the machine's
 """
 
 from __future__ import annotations
@@ -233,13 +238,26 @@ async def _watch_gateway(session: aiohttp.ClientSession, url: str, start: float,
         await asyncio.sleep(0.5 if now >= start else min(0.5, start - now))
 
 
+async def _watch_loop(late: list[float]) -> None:
+    """Append to `late` how many seconds each of this loop's 50 ms ticks came past its
+    time, where over 0.1 s: the load generator itself was kept off the CPU (or its loop
+    busy), and every time it measured in the meantime is that much late."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(0.05)
+        if (over := time.monotonic() - t - 0.05) > 0.1:
+            late.append(over)
+
+
 async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
                    users: list[Record] | None = None,
-                   watched: dict[str, list[float]] | None = None) -> list[Record]:
+                   watched: dict[str, list[float]] | None = None,
+                   late: list[float] | None = None) -> list[Record]:
     """Poisson arrivals at `rate`; the records of every user sent (`measured` marks those
     sent in the measured window), appended to `users` as they are sent when given (a
     caller may watch it). With `watched`, `url` is a gateway whose limit, in-flight and
-    knee estimate are read into it through the measured window (`_watch_gateway`).
+    knee estimate are read into it through the measured window (`_watch_gateway`). With
+    `late`, this loop's late ticks from the first arrival to the end (`_watch_loop`).
 
     Arrivals: `warmup` s unmeasured, `seconds` s measured, then unmeasured until every
     measured user has ended or `request_timeout` s have passed. Bounded in count and time.
@@ -266,6 +284,7 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
         next_at, sent = t0, 0
         watcher = (None if watched is None else
                    asyncio.create_task(_watch_gateway(session, url, start, end, watched)))
+        ticker = None if late is None else asyncio.create_task(_watch_loop(late))
         while sent < max_sent:
             now = time.monotonic()
             if now >= hard_end or (now >= end and pending == 0):
@@ -285,8 +304,7 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
                 task.add_done_callback(ended)
             sent += 1
             next_at += rng.expovariate(rate)
-        if watcher is not None:
-            tasks.add(watcher)
+        tasks.update(t for t in (watcher, ticker) if t is not None)
         for task in list(tasks):  # unmeasured users still waiting, or measured ones past time
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -415,7 +433,7 @@ _COLS = (f"{'arm':<16}{'load':>5}{'offered':>9}{'goodput':>9}{'/cap':>6}{'/direc
          f"{'SLO gp':>7}{'done tok/s':>11}"
          f"{'rejected':>9}{'rej p99 ms':>11}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}"
          f"{'gave up':>8}"
-         f"{'errors':>7}{'limit':>7}{'in flight':>10}")
+         f"{'errors':>7}{'limit':>7}{'in flight':>10}{'stall ms':>9}")
 
 
 def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
@@ -426,7 +444,8 @@ def _row(arm: str, load: float, offered: float, s: dict[str, Any]) -> str:
             f"{s['rejected']:>9d}{_fmt(s['rejection_p99_ms'], '.0f'):>11}"
             f"{_fmt(s['ttft_p50_ms'], '.0f'):>9}{_fmt(s['ttft_p99_ms'], '.0f'):>9}"
             f"{_fmt(s['tpot_p50_ms'], '.0f'):>9}{s['gave_up']:>8d}{s['errors']:>7d}"
-            f"{_fmt(s.get('limit_p50'), '.0f'):>7}{_fmt(s.get('in_flight_p50'), '.0f'):>10}")
+            f"{_fmt(s.get('limit_p50'), '.0f'):>7}{_fmt(s.get('in_flight_p50'), '.0f'):>10}"
+            f"{_fmt(s.get('client_stall_max_ms'), '.0f'):>9}")
 
 
 # -- arms and processes --------------------------------------------------------------------
@@ -645,10 +664,13 @@ def _run(args: argparse.Namespace) -> Report:
                     None if arm.gateway_flags is None else {})
                 # every arm of a round meets the same arrivals; each round draws its own
                 seed = args.seed + int(load * 1000) + _ROUND_SEED * rnd
+                late: list[float] = []
                 with _serving(arm, args.profile, args.upstream, args.start_vllm) as url:
-                    recs = asyncio.run(run_cell(url, rate, args, seed=seed, watched=watched))
+                    recs = asyncio.run(run_cell(url, rate, args, seed=seed, watched=watched,
+                                                late=late))
                 s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective,
                               args.tpot_objective)
+                s["client_stall_max_ms"] = max(late, default=0.0) * 1e3
                 s.update(gateway_medians(watched or {}))
                 if arm.name == "direct":
                     direct_done = s["completed_tok_s"]

@@ -19,6 +19,7 @@ import pytest
 from kneegate.benchmarks.overload import (
     Record,
     _wait_idle,
+    _watch_loop,
     engine_holds,
     main,
     parse_arms,
@@ -302,3 +303,20 @@ def test_a_given_capacity_is_offered_as_is(tmp_path: Path,
     assert data["capacity_rps"] == 10.0 and data["rows"][0]["offered_rps"] == pytest.approx(3.0)
     with pytest.raises(SystemExit, match="needs --fixed-limit"):
         main(["--capacity", "640", "--arms", "kneegate-fixed"])
+
+
+def test_a_loop_kept_busy_reads_as_a_late_tick() -> None:
+    """`_watch_loop` records a stall of the load generator's own loop: what a process kept
+    off the CPU looks like from inside."""
+    async def main() -> list[float]:
+        late: list[float] = []
+        ticker = asyncio.create_task(_watch_loop(late))
+        await asyncio.sleep(0)  # the ticker is waiting on its first tick
+        time.sleep(0.4)  # the loop held: that tick comes ~0.35 s past its time
+        async with asyncio.timeout(5):
+            while not late:
+                await asyncio.sleep(0.01)
+        ticker.cancel()
+        return late
+
+    assert max(asyncio.run(main())) >= 0.3
