@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import anyio.abc
 import httpx
 import openai
 import pytest
@@ -157,7 +156,7 @@ async def _leave_mid_stream(vllm: VllmServer) -> tuple[Any, ...] | None:
            "ignore_eos": True}
     async with serve(app) as gw, httpx.AsyncClient(timeout=30) as client:
         before = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 60)
-        async with anyio.create_task_group() as tg, ticks(tg) as missed:
+        async with ticks() as missed:
             async with client.stream("POST", gw + "/v1/completions", json=req) as r:
                 assert r.status_code == 200
                 with anyio.fail_after(30):
@@ -181,7 +180,7 @@ async def _leave_mid_stream(vllm: VllmServer) -> tuple[Any, ...] | None:
 
 
 @asynccontextmanager
-async def ticks(tg: anyio.abc.TaskGroup) -> AsyncIterator[Callable[[], float]]:
+async def ticks() -> AsyncIterator[Callable[[], float]]:
     """The longest this loop's 50 ms ticks came late so far, in seconds, as a callable."""
     late = 0.0
 
@@ -192,8 +191,8 @@ async def ticks(tg: anyio.abc.TaskGroup) -> AsyncIterator[Callable[[], float]]:
             await asyncio.sleep(0.05)
             late = max(late, time.monotonic() - t - 0.05)
 
-    tg.start_soon(tick)
+    ticker = asyncio.create_task(tick())
     try:
         yield lambda: late
     finally:
-        tg.cancel_scope.cancel()
+        ticker.cancel()
