@@ -74,7 +74,7 @@ columns follow the measured users to their end. Columns:
   limit, in flight  the gateway's, medians of its /metrics read every 0.5 s of the measured
              window (kneegate arms; the JSON also has the knee estimate's, `knee_p50`, and
              the prefill backlog's cap, `prefill_cap_p50`)
-  stall ms   this load generator's longest late tick (`_watch_loop`): it was kept off the
+  stall ms   this load generator's longest late tick (`late_ticks`): it was kept off the
              CPU that long, and what it timed meanwhile reads that much late. On the 2-core
              VM, while vLLM's CPU build generates, every process beside it can miss the CPU
              for 4-8 s at once (tests/real_vllm/test_vllm_relay.py's disconnect test): a
@@ -107,7 +107,7 @@ from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
 from kneegate.benchmarks.overhead import _free_port, _process
 from kneegate.benchmarks.sweep import run_sweep
 
-__all__ = ["Arm", "Record", "gateway_medians", "main", "metric_totals", "parse_arms",
+__all__ = ["Arm", "Record", "gateway_medians", "late_ticks", "main", "metric_totals", "parse_arms",
            "round_medians", "run", "summarize", "valve_sizes"]
 
 ARMS = ("direct", "valve", "kneegate", "kneegate-w2", "kneegate-fixed")
@@ -238,7 +238,7 @@ async def _watch_gateway(session: aiohttp.ClientSession, url: str, start: float,
         await asyncio.sleep(0.5 if now >= start else min(0.5, start - now))
 
 
-async def _watch_loop(late: list[float]) -> None:
+async def late_ticks(late: list[float]) -> None:
     """Append to `late` how many seconds each of this loop's 50 ms ticks came past its
     time, where over 0.1 s: the load generator itself was kept off the CPU (or its loop
     busy), and every time it measured in the meantime is that much late."""
@@ -257,7 +257,7 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
     sent in the measured window), appended to `users` as they are sent when given (a
     caller may watch it). With `watched`, `url` is a gateway whose limit, in-flight and
     knee estimate are read into it through the measured window (`_watch_gateway`). With
-    `late`, this loop's late ticks from the first arrival to the end (`_watch_loop`).
+    `late`, this loop's late ticks from the first arrival to the end (`late_ticks`).
 
     Arrivals: `warmup` s unmeasured, `seconds` s measured, then unmeasured until every
     measured user has ended or `request_timeout` s have passed. Bounded in count and time.
@@ -284,7 +284,7 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
         next_at, sent = t0, 0
         watcher = (None if watched is None else
                    asyncio.create_task(_watch_gateway(session, url, start, end, watched)))
-        ticker = None if late is None else asyncio.create_task(_watch_loop(late))
+        ticker = None if late is None else asyncio.create_task(late_ticks(late))
         while sent < max_sent:
             now = time.monotonic()
             if now >= hard_end or (now >= end and pending == 0):

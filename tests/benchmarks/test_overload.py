@@ -19,8 +19,8 @@ import pytest
 from kneegate.benchmarks.overload import (
     Record,
     _wait_idle,
-    _watch_loop,
     engine_holds,
+    late_ticks,
     main,
     parse_arms,
     parse_keys,
@@ -306,11 +306,11 @@ def test_a_given_capacity_is_offered_as_is(tmp_path: Path,
 
 
 def test_a_loop_kept_busy_reads_as_a_late_tick() -> None:
-    """`_watch_loop` records a stall of the load generator's own loop: what a process kept
+    """`late_ticks` records a stall of the load generator's own loop: what a process kept
     off the CPU looks like from inside."""
     async def main() -> list[float]:
         late: list[float] = []
-        ticker = asyncio.create_task(_watch_loop(late))
+        ticker = asyncio.create_task(late_ticks(late))
         await asyncio.sleep(0)  # the ticker is waiting on its first tick
         time.sleep(0.4)  # the loop held: that tick comes ~0.35 s past its time
         async with asyncio.timeout(5):
