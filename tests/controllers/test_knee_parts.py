@@ -273,12 +273,15 @@ def test_a_window_near_a_level_read_by_one_scrape_measures_it() -> None:
     # decline of 35% from 8 that put the knee there and the limit at 7-8, where no window
     # measured the bin of 8 again for the point's memory (300 s). Now the scrape is no
     # decline's reference (`Curve._until_decline`), and the fit, with its 342 in it, bends
-    # under 12.83: the knee lies in the direct sweep's region, 8..16
+    # under 12.83 (11.39), too far from its points to tell its knee from 12.83
+    # (`_fit_knee`): the knee lies in the direct sweep's region, 8..16, at 12.83
     climb = [(2.0, 133.0), (4.0, 175.0), (8.0, 342.0), (12.83, 221.0)]
     curve = climbed(climb, scrape_at=8.0)
     knee, rising = curve.knee()
     assert curve.view(math.inf)["decline_from"] is None
-    assert knee is not None and 8.0 < knee < 12.83 and not rising
+    a, b = curve.view(math.inf)["intercept"], curve.view(math.inf)["slope"]
+    assert a / b * (1 / curve.e_min() - 1) == pytest.approx(11.39, abs=0.01)
+    assert (knee, rising) == (12.83, True)
     # the limit under that knee: a window's mean at 7.6, within `pair` of 8, measures it
     curve.learn(summary(end=30.0, inflight=7.6, max_inflight=8, throughput=205.0), 7.6, False)
     assert sorted(p.concurrency for p in curve.points.values()) == [2.0, 4.0, 7.6, 12.83]
@@ -301,6 +304,25 @@ def test_levels_closer_than_half_again_are_no_plateau() -> None:
     assert climbed([*close, (59.2, 1079.0)]).knee() == (pytest.approx(100.74, abs=0.01), True)
     # a step of half again or more that adds nothing is still a plateau
     assert climbed([*close, (59.2, 960.0)]).knee() == (25.7, False)
+
+
+def test_a_fitted_knee_within_its_noise_of_the_top_is_the_top() -> None:
+    # tput = 50 c / (1 + c / 14) read at 8..128: the fit is the curve, and its knee, where a
+    # 20% step adds 2%, 14 x (1 / e_min - 1), lies under 128, where the step from 64 still
+    # paid (elasticity 0.136)
+    levels = [8.0, 16.0, 32.0, 64.0, 128.0]
+    exact = climbed([(c, 50 * c / (1 + c / 14)) for c in levels])
+    knee = 14 * (1 / exact.e_min() - 1)
+    assert knee == pytest.approx(114.9, abs=0.1)
+    assert exact.knee() == (pytest.approx(knee), False)
+    # the same levels read by windows that wander by a few percent: the fit bends under 128
+    # still, but it cannot tell its knee from 128, the highest level, which is the knee
+    wander = [1.0, 1.04, 0.96, 1.0, 1.0]
+    noisy = climbed([(c, 50 * c / (1 + c / 14) * f) for c, f in zip(levels, wander)])
+    fit = noisy.view(math.inf)
+    plain = fit["intercept"] / fit["slope"] * (1 / noisy.e_min() - 1)
+    assert plain == pytest.approx(115.9, abs=0.1)
+    assert noisy.knee() == (128.0, True)
 
 
 def test_a_step_that_lost_less_than_the_measured_noise_is_no_decline() -> None:
