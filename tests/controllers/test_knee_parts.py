@@ -318,7 +318,7 @@ def test_a_fitted_knee_within_its_noise_of_the_top_is_the_top() -> None:
     # the same levels read by windows that wander by a few percent: the fit bends under 128
     # still, but it cannot tell its knee from 128, the highest level, which is the knee
     wander = [1.0, 1.04, 0.96, 1.0, 1.0]
-    noisy = climbed([(c, 50 * c / (1 + c / 14) * f) for c, f in zip(levels, wander)])
+    noisy = climbed([(c, 50 * c / (1 + c / 14) * f) for c, f in zip(levels, wander, strict=True)])
     fit = noisy.view(math.inf)
     plain = fit["intercept"] / fit["slope"] * (1 / noisy.e_min() - 1)
     assert plain == pytest.approx(115.9, abs=0.1)
