@@ -14,8 +14,8 @@ Shapes, not figures (2 shared cores, ±20% run to run): most late limit readings
 half the region's low end (headroom, and the noise of one level) and the sweep's next level
 above its high end; the gateway keeps 0.85 of the sweep's peak throughput (its limit is not
 under the knee; the engine drifts by a few percent between the sweep and the run); the TTFT
-of admitted requests (dispatch to first token, as the gateway sees it) has a p99 well under
-the direct one (nor is it far past the knee).
+of admitted requests (dispatch to first token, as the gateway sees it) has a p99 under
+the engine's own at the knee region's high end (it is not past the knee).
 
 Why the next level, not the region's high end itself: the sweep doubles, so 90% of the peak
 is crossed somewhere between `high / 2` and `high`, and the controller's own rule (a 20% step
@@ -25,9 +25,18 @@ one sweep, the rule's edge). Two runs of 2026-12-02 held the limit at medians of
 within 16..32, at 0.94 and 1.01 of the peak, with admitted TTFT p99 2.6 and 1.1 s against
 6.1 and 6.2 s direct; the region's high end alone failed them. The test still fails a limit
 held under the knee (medians of 1 and 6 on 2026-12-02: 75 and 156 tokens/s where 64
-clients direct read 272 and 218) or on the plateau (32 or more). The clients' own TTFT
-through the gateway includes their queue wait: in a closed loop that is the same time again
-(Little's law), so it is printed, not asserted. About 6.5 minutes.
+clients direct read 272 and 218) or on the plateau (32 or more).
+
+The TTFT is compared with the engine's own TTFT p99 at the region's high end, not with 64
+clients': on the faster machine of 2026-12-05 vLLM's prefills are quick and its TTFT p99
+direct barely grows past 32 (0.73 s at 16, 1.41 s at 32, 1.46 s at 64). There the limit
+held a median of 25, the 5% rule's own safe level, at 0.91 of the peak, with an admitted
+TTFT p99 of 0.89 s: 0.61 of 64 clients', which the old bound of 0.6 x that failed, and
+under 32's 1.41 s. (The build before "A fitted knee within its noise of the top" held a
+median of 13 in the same kind of run: 0.85 x the peak was not met, 572 of 674 tokens/s.)
+
+The clients' own TTFT through the gateway includes their queue wait: in a closed loop that
+is the same time again (Little's law), so it is printed, not asserted. About 6.5 minutes.
 """
 
 from __future__ import annotations
@@ -160,5 +169,8 @@ async def test_knee_limit_settles_in_the_sweeps_knee_region(vllm: VllmServer) ->
     assert inside >= 0.75 and lo <= statistics.median(late) < hi, why
     assert run["throughput_tok_s"] >= 0.85 * knee.peak, why
     assert len(admitted) >= 50, why
-    assert p99(admitted) < 0.6 * direct.ttft_p99, why
+    # the engine's own TTFT at the region's top, where the plateau begins: past it TTFT grows
+    # with the level, under it the gateway's admitted requests see no more
+    top = next(p for p in points if p.level == high)
+    assert top.ttft_p99 is not None and p99(admitted) < top.ttft_p99, why
     assert run["throughput_tok_s"] >= 0.6 * knee.peak, why
