@@ -123,7 +123,7 @@ def _fit_knee(pts: list[Point], a: float, b: float, e_min: float) -> float:
     how far the points scatter about the line), the highest level: so noisy a fit cannot
     tell the knee from it. No lower than the lowest level.
 
-    The knee is a ratio of the two fitted coefficients, eight times a / b at the default
+    The knee is a ratio of the two fitted coefficients, about eight times a / b at the default
     e_min, and where one window's throughput wanders it is uncertain by tens of percent;
     as the lowest of three readings (fit, plateau, top), its low end held the limit far
     under the knee. noisy-gentle-3x (a host whose speed wanders by ~10% a window, on a curve
