@@ -89,20 +89,27 @@ def blend(old: float | None, new: float | None, w: float) -> float | None:
     return old * (1 - w) + new * w
 
 
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of ys on xs; (1, 0) unless the slope is clear."""
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least-squares (intercept, slope) of ys on xs, and the relative variance of their ratio
+    (`_fit_knee`); (1, 0, 0) unless the slope is clear."""
     n = len(xs)
     if n < 2:
-        return 1.0, 0.0
+        return 1.0, 0.0, 0.0
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
     if max(xs) < SPAN * min(xs):
-        return 1.0, 0.0  # too narrow a range to tell a bend from noise
+        return 1.0, 0.0, 0.0  # too narrow a range to tell a bend from noise
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     a = my - b * mx
     res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
     # a slope within 3 standard errors of zero is noise: the curve is still linear
-    return (a, b) if b * b * sxx * (n - 2) > 9 * res else (1.0, 0.0)
+    if b * b * sxx * (n - 2) <= 9 * res:
+        return 1.0, 0.0, 0.0
+    # a / b's relative variance, to first order: with s2 = res / (n - 2), var a = s2 (1/n +
+    # mx^2 / sxx), var b = s2 / sxx, cov(a, b) = -mx s2 / sxx
+    s2 = res / (n - 2)
+    rel = s2 / sxx * ((sxx / n + mx * mx) / (a * a) + 1 / (b * b) + 2 * mx / (a * b))
+    return a, b, rel
 
 
 def _gain(p: Point, q: Point) -> float:
@@ -110,17 +117,17 @@ def _gain(p: Point, q: Point) -> float:
     return math.log(q.throughput / p.throughput) / math.log(q.concurrency / p.concurrency)
 
 
-def _fit(pts: list[Point]) -> tuple[float, float]:
+def _fit(pts: list[Point]) -> tuple[float, float, float]:
     if len(pts) < 3:
-        return 1.0, 0.0  # two points are one noisy step: no curve yet
+        return 1.0, 0.0, 0.0  # two points are one noisy step: no curve yet
     return _line([p.concurrency for p in pts], [p.concurrency / p.throughput for p in pts])
 
 
-def _fit_knee(pts: list[Point], a: float, b: float, e_min: float) -> float:
-    """The knee of the line c / tput = a + b c fitted to `pts` (ascending; a, b > 0): where
-    the elasticity 1 / (1 + b c / a) falls to e_min, (a / b)(1 / e_min - 1). Where that lies
-    under the highest level but within `FIT_Z` standard errors of it (on a log scale, from
-    how far the points scatter about the line), the highest level: so noisy a fit cannot
+def _fit_knee(pts: list[Point], a: float, b: float, rel: float, e_min: float) -> float:
+    """The knee of the line c / tput = a + b c fitted to `pts` (ascending; a, b > 0; `rel`
+    the relative variance of a / b, `_line`): where the elasticity 1 / (1 + b c / a) falls
+    to e_min, (a / b)(1 / e_min - 1). Where that lies under the highest level but within
+    `FIT_Z` standard errors of it (on a log scale), the highest level: so noisy a fit cannot
     tell the knee from it. No lower than the lowest level.
 
     The knee is a ratio of the two fitted coefficients, about eight times a / b at the default
@@ -137,15 +144,6 @@ def _fit_knee(pts: list[Point], a: float, b: float, e_min: float) -> float:
     (docs/benchmarks.md, "A fitted knee within its noise of the top")."""
     knee, top = a / b * (1 / e_min - 1), pts[-1].concurrency
     if knee < top:
-        xs = [p.concurrency for p in pts]
-        ys = [p.concurrency / p.throughput for p in pts]
-        n = len(xs)
-        mx = sum(xs) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        s2 = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True)) / (n - 2)
-        # relative variance of a / b, to first order: var a = s2 (1/n + mx^2 / sxx),
-        # var b = s2 / sxx, cov(a, b) = -mx s2 / sxx
-        rel = s2 / sxx * ((sxx / n + mx * mx) / (a * a) + 1 / (b * b) + 2 * mx / (a * b))
         knee = min(top, knee * math.exp(FIT_Z * math.sqrt(rel)))
     return max(knee, pts[0].concurrency)
 
@@ -282,12 +280,12 @@ class Curve:
         """(knee level of the throughput curve, still rising at the top); None: none seen yet."""
         kept, declined = self.kept()
         top = self._top(kept) if kept and declined else math.inf
-        a, b = _fit(kept)
+        a, b, rel = _fit(kept)
         knee = min(top, self._flat(kept))
         if b > 0 and a > 0:
             # a fit whose knee lies under every level measured says they are all on the
             # plateau, not where it starts: no lower than the lowest of them
-            knee = min(_fit_knee(kept, a, b, self.e_min()), knee)
+            knee = min(_fit_knee(kept, a, b, rel, self.e_min()), knee)
         if not math.isfinite(knee):
             return None, True
         return knee, not declined and knee >= kept[-1].concurrency
@@ -364,7 +362,7 @@ class Curve:
 
     def elasticity(self, level: float) -> float:
         """d ln tput / d ln c of the fitted curve at `level`; 1 (linear) without a fit."""
-        a, b = _fit(self.kept()[0])
+        a, b, _ = _fit(self.kept()[0])
         return max(0.0, min(1.0, a / (a + b * level))) if b > 0 and a + b * level > 0 else 1.0
 
     def kept(self) -> tuple[list[Point], bool]:
@@ -416,7 +414,7 @@ class Curve:
     def view(self, room: float) -> dict[str, Any]:
         """The curve as the live page draws it (see `Knee.fit`); reads, never changes it."""
         kept, declined = self.kept()
-        a, b = _fit(kept)
+        a, b, _ = _fit(kept)
         fitted = a > 0 and b > 0
         pts = self.points.values()
         # kept's prefix of these; `declined` also counts a level that measured no throughput
