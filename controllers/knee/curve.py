@@ -32,9 +32,11 @@ is the lowest of:
 
 A step "does not pay" (the plateau's steps, the power's decline) only where its gain is
 under e_min by one standard error of the noise the curve measured (`Curve.noise`): each
-re-reading of a level says how far one window's throughput wanders, and each point's
-variance shrinks with the windows blended into it (`Point.var`). Before any re-reading,
-and where re-readings agree, the gain alone decides.
+re-reading of a level (a window in its bin, or in a new bin within two of a point, less
+what the fitted curve's slope accounts for between them: `Curve._reread`) says how far
+one window's throughput wanders, and each point's variance shrinks with the windows
+blended into it (`Point.var`). Before any re-reading, and where re-readings agree, the
+gain alone decides.
 
 `ceiling()` is the highest level measured below the lowest one marked over the
 objectives (`backoff` x that one when none is). Pure: no clock, no I/O.
@@ -54,7 +56,7 @@ from kneegate.controllers.window import Summary
 __all__ = ["Curve", "Point", "blend"]
 
 SPAN = 1.5  # levels closer than this ratio cannot tell a bend or a plateau from noise
-NOISE_KEEP = 20  # re-readings of a level that measure the noise (the last ones)
+NOISE_KEEP = 20  # re-readings of a level that measure the noise (the last ones, `_reread`)
 FIT_Z = 2.0  # standard errors of the fitted knee that cannot tell it from the top (`_fit_knee`)
 
 
@@ -156,7 +158,7 @@ class Curve:
         self.points: dict[int, Point] = {}
         self.ref_tokens = 0.0  # mean answer length, in power's delay
         self.engine_mode: bool | None = None  # points are the engine's, not this gateway's
-        # re-readings of a level: ln(new / old)^2 / (1 + old.var), one window's variance each
+        # re-readings of a level (`_reread`), one window's variance each
         self._repeats: deque[float] = deque(maxlen=NOISE_KEEP)
         self._noise = 0.0  # their mean (`noise`), kept as they come: the verdicts read it often
 
@@ -197,17 +199,20 @@ class Curve:
             self._supersede(level)
         key = round(math.log(level) / math.log1p(self.cfg.bin_ratio))
         near = self.nearest(level)
-        if near is not None and abs(tput - near.throughput) > self.cfg.change * near.throughput:
+        moved = abs(tput - near.throughput) if near is not None else 0.0
+        changed = near is not None and moved > self.cfg.change * near.throughput
+        if changed:
             self._forget_change()  # the engine changed since `near` was measured
         old = self.points.get(key)
         if old is None:
+            if near is not None and not (changed or scrape or near.scrape):
+                self._reread(near, level, tput)
             self.points[key] = Point(
                 level, tput, w.ttft_p90, w.tpot_p50, bad, w.end, steady, scrape
             )
             return
-        if not (scrape or old.scrape) and tput > 0 and old.throughput > 0:
-            self._repeats.append(math.log(tput / old.throughput) ** 2 / (1 + old.var))
-            self._noise = statistics.fmean(self._repeats)
+        if not (changed or scrape or old.scrape):
+            self._reread(old, level, tput)
         old.var = (1 - a) ** 2 * old.var + a * a
         old.concurrency = old.concurrency * (1 - a) + level * a
         old.throughput = old.throughput * (1 - a) + tput * a
@@ -218,6 +223,28 @@ class Curve:
             old.over_objective = bad
         old.at = w.end
         old.steady = steady
+
+    def _reread(self, p: Point, level: float, tput: float) -> None:
+        """A window at `level` read `tput` near point p (in its bin, or new within two bins of
+        it, `nearest`): how far it lies from p, less what the fitted curve's slope (`elasticity`)
+        accounts for between their levels, is one reading of the noise (`noise`), ln(t / p)^2
+        over (1 + p.var), one window's variance.
+
+        Not only p's own bin: a limit held under a knee wanders over neighbouring bins, and
+        each of its windows was a first reading that measured nothing. noisy-gentle-3x (a host
+        whose speed wanders by ~10% a window, on a curve that bends gently; a fixed 88 serves
+        best), seed 49: 32 read 1,063 tokens/s in a fast spell, then two windows at 64 in a
+        slow one 1,083 and 1,083 (a fixed 64 holds ~1,160): the noise read 0, the step did
+        not pay, a plateau from 32 held the limit at 26-35, and its windows there (799-1,063
+        tokens/s at 26-32, each in a bin of its own) left the noise at 0 until 93 s: 0.792 of
+        the oracle. Read as re-readings of their neighbours, the step's gain clears the
+        noise: 0.903. Over seeds 1-72, 0.951 -> 0.957 (docs/benchmarks.md, "Neighbours
+        measure the noise")."""
+        if tput <= 0 or p.throughput <= 0:
+            return
+        r = math.log(tput / p.throughput) - self.elasticity(level) * math.log(level / p.concurrency)
+        self._repeats.append(r * r / (1 + p.var))
+        self._noise = statistics.fmean(self._repeats)
 
     def _supersede(self, level: float) -> None:
         """A window's mean within `pair` of a level read by one scrape just after a rise
@@ -309,7 +336,7 @@ class Curve:
 
     def noise(self) -> float:
         """One window's variance of ln(throughput) at one level, as the curve measured it:
-        the mean of its last `NOISE_KEEP` re-readings of a level; 0 before any."""
+        the mean of its last `NOISE_KEEP` re-readings of a level (`_reread`); 0 before any."""
         return self._noise
 
     def _unpaid(self, p: Point, q: Point) -> bool:

@@ -302,8 +302,36 @@ def test_levels_closer_than_half_again_are_no_plateau() -> None:
     assert climbed(close).knee() == (None, True)
     # twice the level, +13%: it pays, and the fitted curve's knee lies past it
     assert climbed([*close, (59.2, 1079.0)]).knee() == (pytest.approx(100.74, abs=0.01), True)
-    # a step of half again or more that adds nothing is still a plateau
-    assert climbed([*close, (59.2, 960.0)]).knee() == (25.7, False)
+    # a step of half again or more that adds nothing is still a plateau where the close
+    # levels agree (their windows measure the noise, as neighbours: `Curve._reread`)
+    agree = [(25.7, 951.0), (27.2, 945.0), (30.0, 957.0)]
+    assert climbed([*agree, (59.2, 960.0)]).knee() == (25.7, False)
+    # but one window's reading is no plateau within the noise the close levels measured
+    # (811-957 tokens/s at 25.7-30: ~11% a window)
+    noisy = climbed([*close, (59.2, 960.0)])
+    assert noisy.noise() == pytest.approx(0.0128, abs=1e-4)
+    assert noisy.knee() == (59.2, True)
+
+
+def test_windows_near_a_point_measure_the_noise() -> None:
+    # noisy-gentle-3x, seed 49: 32 read in a fast spell, 64 twice in a slow one; the two
+    # readings of 64 agree, so the noise reads 0 and the step that added 2% is a plateau
+    steps = [(32.0, 1063.0), (64.0, 1083.0), (64.0, 1083.0)]
+    curve = climbed(steps)
+    assert curve.noise() == pytest.approx(0.0, abs=1e-6)
+    assert curve.knee() == (32.0, False)
+    # the limit under that knee reads levels within two bins of 32, each a bin of its own:
+    # how far each lies from its neighbour, less the fitted slope between them, is noise
+    curve = climbed([*steps, (30.0, 905.0), (28.0, 1020.0)])
+    assert [p.windows for p in sorted(curve.points.values(), key=lambda p: p.concurrency)] == [
+        1, 1, 1, 2
+    ]
+    assert curve.noise() == pytest.approx(0.00454, abs=1e-5)
+    # and within it the step from 32 to 64 does not prove a plateau: the curve runs on
+    assert curve.knee() == (64.0, True)
+    # a window further than two bins from any point measures nothing
+    far = climbed([*steps, (26.0, 905.0)])
+    assert far.noise() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_a_fitted_knee_within_its_noise_of_the_top_is_the_top() -> None:
