@@ -313,6 +313,20 @@ def test_levels_closer_than_half_again_are_no_plateau() -> None:
     assert noisy.knee() == (59.2, True)
 
 
+def test_a_fit_with_an_intercept_near_zero_has_a_bounded_knee() -> None:
+    # noisy-cpu-3x at seed 13 (under a try): a curve flat from ~57 whose fitted intercept is
+    # ~0, so a / b's relative error is ~417 times itself; raised on a log scale, its knee
+    # (0.11) overflowed exp() and the window raised. Its error added: a knee of ~45
+    flat = [(28.0, 989.8445403556516), (30.0, 1053.013827905542), (32.0, 1079.693203376095),
+            (57.0, 1166.0034662231196), (60.0, 1058.1093065439097), (64.0, 1055.5467578189014),
+            (83.0, 1038.7096017071958)]
+    curve = climbed(flat)
+    fit = curve.view(math.inf)
+    assert fit["intercept"] / fit["slope"] < 0.02  # the fit's knee: ~0.11
+    knee, rising = curve.knee()
+    assert knee == pytest.approx(45.24, abs=0.01) and not rising
+
+
 def test_windows_near_a_point_measure_the_noise() -> None:
     # noisy-gentle-3x, seed 49: 32 read in a fast spell, 64 twice in a slow one; the two
     # readings of 64 agree, so the noise reads 0 and the step that added 2% is a plateau
