@@ -92,7 +92,7 @@ def blend(old: float | None, new: float | None, w: float) -> float | None:
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """Least-squares (intercept, slope) of ys on xs, and the relative variance of their ratio
+    """Least-squares (intercept, slope) of ys on xs, and the variance of their ratio
     (`_fit_knee`); (1, 0, 0) unless the slope is clear."""
     n = len(xs)
     if n < 2:
@@ -107,11 +107,10 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     # a slope within 3 standard errors of zero is noise: the curve is still linear
     if b * b * sxx * (n - 2) <= 9 * res:
         return 1.0, 0.0, 0.0
-    # a / b's relative variance, to first order: with s2 = res / (n - 2), var a = s2 (1/n +
-    # mx^2 / sxx), var b = s2 / sxx, cov(a, b) = -mx s2 / sxx
-    s2 = res / (n - 2)
-    rel = s2 / sxx * ((sxx / n + mx * mx) / (a * a) + 1 / (b * b) + 2 * mx / (a * b))
-    return a, b, rel
+    # a / b's variance, to first order: with s2 = res / (n - 2), var a = s2 (1/n + mx^2 /
+    # sxx), var b = s2 / sxx, cov(a, b) = -mx s2 / sxx, it is s2 (sxx/n + (mx + a/b)^2) /
+    # (sxx b^2); b is not 0 here, and a may be (a flat curve's exactly)
+    return a, b, res / (n - 2) * (sxx / n + (mx + a / b) ** 2) / (sxx * b * b)
 
 
 def _gain(p: Point, q: Point) -> float:
@@ -125,9 +124,9 @@ def _fit(pts: list[Point]) -> tuple[float, float, float]:
     return _line([p.concurrency for p in pts], [p.concurrency / p.throughput for p in pts])
 
 
-def _fit_knee(pts: list[Point], a: float, b: float, rel: float, e_min: float) -> float:
-    """The knee of the line c / tput = a + b c fitted to `pts` (ascending; a, b > 0; `rel`
-    the relative variance of a / b, `_line`): where the elasticity 1 / (1 + b c / a) falls
+def _fit_knee(pts: list[Point], a: float, b: float, var: float, e_min: float) -> float:
+    """The knee of the line c / tput = a + b c fitted to `pts` (ascending; a, b > 0; `var`
+    the variance of a / b, `_line`): where the elasticity 1 / (1 + b c / a) falls
     to e_min, (a / b)(1 / e_min - 1). Where that lies under the highest level but within
     `FIT_Z` standard errors of it, the highest level: so noisy a fit cannot tell the knee
     from it; else the knee raised by those errors, no lower than the lowest level.
@@ -145,15 +144,16 @@ def _fit_knee(pts: list[Point], a: float, b: float, rel: float, e_min: float) ->
     points lie on the line (the noise-free scenarios) the knee is the fit's
     (docs/benchmarks.md, "A fitted knee within its noise of the top").
 
-    The errors are added, not multiplied in on a log scale: on a flat curve a ~ 0 and a / b's
-    relative error is hundreds of times itself (noisy-cpu-3x at seed 13, under a try: 417,
-    where a knee of 0.11 times exp(2 x 417) overflowed and the controller's window raised).
-    Added, that knee reads 45 (levels 28-83 kept, the curve flat from ~57); where the error is
-    tens of percent the two agree to a few percent (noisy-gentle-3x over seeds 1-72: +0.002,
-    standard error 0.0015)."""
+    The error is added, not multiplied in on a log scale, and it is a / b's own, not its
+    relative one: on a flat curve a ~ 0, and a / b's relative error is hundreds of times
+    itself (noisy-cpu-3x at seed 13, under a try: 417; a knee of 0.11 times exp(2 x 417)
+    overflowed and the controller's window raised), or, where a curve reads the same
+    throughput at every level, a = 0 and it divided by zero. Added, that knee reads 45 (levels
+    28-83 kept, the curve flat from ~57); where the error is tens of percent the two agree
+    to a few percent (noisy-gentle-3x over seeds 1-72: +0.002, standard error 0.0015)."""
     knee, top = a / b * (1 / e_min - 1), pts[-1].concurrency
     if knee < top:
-        knee = min(top, knee * (1 + FIT_Z * math.sqrt(rel)))
+        knee = min(top, knee + FIT_Z * (1 / e_min - 1) * math.sqrt(var))
     return max(knee, pts[0].concurrency)
 
 
@@ -314,12 +314,12 @@ class Curve:
         """(knee level of the throughput curve, still rising at the top); None: none seen yet."""
         kept, declined = self.kept()
         top = self._top(kept) if kept and declined else math.inf
-        a, b, rel = _fit(kept)
+        a, b, var = _fit(kept)
         knee = min(top, self._flat(kept))
         if b > 0 and a > 0:
             # a fit whose knee lies under every level measured says they are all on the
             # plateau, not where it starts: no lower than the lowest of them
-            knee = min(_fit_knee(kept, a, b, rel, self.e_min()), knee)
+            knee = min(_fit_knee(kept, a, b, var, self.e_min()), knee)
         if not math.isfinite(knee):
             return None, True
         return knee, not declined and knee >= kept[-1].concurrency

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 from helpers.controllers import make_sample, scrape
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kneegate.controllers import knee
 from kneegate.controllers.knee import KneeConfig
@@ -325,6 +327,27 @@ def test_a_fit_with_an_intercept_near_zero_has_a_bounded_knee() -> None:
     assert fit["intercept"] / fit["slope"] < 0.02  # the fit's knee: ~0.11
     knee, rising = curve.knee()
     assert knee == pytest.approx(45.24, abs=0.01) and not rising
+    # the same throughput at every level: the intercept is exactly 0 (a relative error
+    # divided by it); a plateau from the lowest level
+    assert climbed([(c, 1000.0) for c in (8.0, 16.0, 32.0, 64.0)]).knee() == (8.0, False)
+
+
+levels = st.lists(st.floats(1.0, 2000.0), min_size=1, max_size=12)
+
+
+@given(levels, st.one_of(st.just(None), st.floats(1.0, 1e5)),
+       st.lists(st.floats(1.0, 1e5), min_size=12, max_size=12))
+def test_any_windows_read_a_bounded_knee(
+    cs: list[float], flat: float | None, tputs: list[float]
+) -> None:
+    # whatever the windows read (`flat`: the same throughput at every level), the curve
+    # reads a knee without raising: None, or a level no lower than the lowest kept
+    curve = climbed([(c, flat or t) for c, t in zip(cs, tputs, strict=False)])
+    knee, _ = curve.knee()
+    kept, _ = curve.kept()
+    assert knee is None or (math.isfinite(knee) and knee >= min(p.concurrency for p in kept))
+    assert 0.0 <= curve.elasticity(cs[0]) <= 1.0
+    curve.view(math.inf)
 
 
 def test_windows_near_a_point_measure_the_noise() -> None:
