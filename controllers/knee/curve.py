@@ -206,8 +206,8 @@ class Curve:
             self._supersede(level)
         key = round(math.log(level) / math.log1p(self.cfg.bin_ratio))
         near = self.nearest(level)
-        moved = abs(tput - near.throughput) if near is not None else 0.0
-        changed = near is not None and moved > self.cfg.change * near.throughput
+        changed = (near is not None
+                   and abs(tput - near.throughput) > self.cfg.change * near.throughput)
         if changed:
             self._forget_change()  # the engine changed since `near` was measured
         old = self.points.get(key)
@@ -234,8 +234,8 @@ class Curve:
     def _reread(self, p: Point, level: float, tput: float) -> None:
         """A window at `level` read `tput` near point p (in its bin, or new within two bins of
         it, `nearest`): how far it lies from p, less what the fitted curve's slope (`elasticity`)
-        accounts for between their levels, is one reading of the noise (`noise`), ln(t / p)^2
-        over (1 + p.var), one window's variance.
+        accounts for between their levels, is one reading of the noise (`noise`): that
+        residual of ln(tput) squared over (1 + p.var), one window's variance.
 
         Not only p's own bin: a limit held under a knee wanders over neighbouring bins, and
         each of its windows was a first reading that measured nothing. noisy-gentle-3x (a host
