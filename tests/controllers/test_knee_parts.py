@@ -414,3 +414,35 @@ def test_a_step_that_lost_less_than_the_measured_noise_is_no_decline() -> None:
     assert agreeing.knee() == (64.0, False)
     knee, _ = wandering.knee()
     assert knee is not None and knee > 64.0
+
+
+def test_a_decline_holds_from_the_levels_just_under_its_reference() -> None:
+    # noisy-gentle-3x, seed 44: 32 read once in a fast spell (1,000 here), 64 twice in a slow
+    # one (1,000 and 900) with latency doubled: power fell under half of 32's and the step
+    # did not pay by one standard error of the noise the two readings at 64 measured, a
+    # decline that held the knee at 32 (the limit at 30) for the whole run
+    def curve(readings: list[tuple[float, float, float, float]]) -> Curve:
+        c = Curve(KneeConfig())
+        for i, (lvl, tput, ttft, tpot) in enumerate(readings):
+            w = summary(end=5.0 * (i + 1), inflight=lvl, max_inflight=lvl, throughput=tput,
+                        ttft_p90=ttft, tpot_p50=tpot)
+            c.learn(w, lvl, False)
+        return c
+
+    by_power = [(32.0, 1000.0, 0.08, 0.03), (64.0, 1000.0, 0.3, 0.065), (64.0, 900.0, 0.3, 0.065)]
+    assert curve(by_power).knee() == (32.0, False)
+    # the limit under that knee reads 30, within `pair` of 32, at 850: from there the step to
+    # 64 paid (elasticity 0.15), so 32 alone was a lucky window, and the curve runs on
+    lucky = curve([*by_power, (30.0, 850.0, 0.08, 0.03)])
+    assert [p.concurrency for p in lucky.kept()[0]] == [30.0, 32.0, 64.0]
+    assert lucky.knee() == (64.0, True)
+    # where 30 reads as 32 did, the decline holds from both
+    agreeing = curve([*by_power, (30.0, 1000.0, 0.08, 0.03)])
+    assert agreeing.kept() == ([agreeing.kept()[0][0], agreeing.kept()[0][1]], True)
+    assert agreeing.knee() == (32.0, False)
+    # the same for a decline by throughput: 23% under a once-read 1,300, but not under 1,100
+    # read just under it (the step from there does not pay either: a plateau, no decline)
+    by_tput = [(32.0, 1300.0, 0.08, 0.03), (64.0, 1000.0, 0.08, 0.03)]
+    assert curve(by_tput).kept()[1] is True
+    assert curve([*by_tput, (30.0, 1100.0, 0.08, 0.03)]).kept()[1] is False
+    assert curve([*by_tput, (30.0, 1300.0, 0.08, 0.03)]).kept()[1] is True
