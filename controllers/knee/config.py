@@ -27,7 +27,7 @@ class KneeConfig(BaseControllerConfig):
         gt=0.1,
         le=1.0,
         description="growth stops where TPOT p50, grown in step with the level, reaches this"
-        " x tpot_objective",
+        " x tpot_objective (lowered by one standard deviation of the measured noise)",
     )
     decline: float = Field(0.2, gt=0, lt=0.9, description="throughput drop that ends the curve")
     power_floor: float = Field(
