@@ -432,7 +432,7 @@ class Curve:
         pay by one standard error, a decline that held the limit at 30 for the whole run,
         while its windows at 30 read 919 over four (0.854 of the oracle). From 30 the step
         paid: 0.946. With TPOT's aim lowered by the noise (`Knee._aim_level`), noisy-gentle-3x
-        over seeds 1-72 0.959 -> 0.966 (docs/benchmarks.md, "Noise in the aim")."""
+        over seeds 1-108 0.959 -> 0.968 (docs/benchmarks.md, "Noise in the aim")."""
         kept: list[Point] = []
         peak: Point | None = None  # the highest throughput so far (no scrape's)
         best: tuple[float, Point] | None = None  # the highest power so far, and its level
@@ -445,6 +445,7 @@ class Curve:
                 for r in _under(kept, peak, pair) if not r.scrape
             ):
                 break  # past the decline; a second peak beyond is a false one
+            # (a neighbour with no latency read, the engine's counters alone: the best's power)
             if power is not None and best is not None and all(
                 power < (self._power(r) or best[0]) * floor and self._unpaid(r, p)
                 for r in _under(kept, best[1], pair)

@@ -346,11 +346,11 @@ class Knee(Windowed):
         judged: a limit set to the aim in a fast spell breaks the objective in the next slow
         one. noisy-gentle-3x (a host whose speed wanders by ~10% a window, on a curve that
         bends gently; TPOT passes 0.1 s past ~110), seed 66: the limit followed fast spells to
-        104-117 (0.922 of the oracle); with the aim ~9% lower, 0.996. Over seeds 1-72, with
+        104-117 (0.922 of the oracle); with the aim ~9% lower, 0.996. Over seeds 1-108, with
         declines read from a reference's neighbours too (`Curve._until_decline`), 0.959 ->
-        0.966; each alone +0.002-0.003: that rule lets the limit climb past false declines
-        that had held it under 110, where this aim holds it (docs/benchmarks.md, "Noise in
-        the aim")."""
+        0.968; each alone (seeds 1-72) +0.002-0.003: that rule lets the limit climb past
+        false declines that had held it under 110, where this aim holds it
+        (docs/benchmarks.md, "Noise in the aim")."""
         aim = self.cfg.tpot_aim * math.exp(-math.sqrt(self._curve.noise()))
         return level * aim * self.cfg.tpot_objective / tpot
 
