@@ -446,3 +446,27 @@ def test_a_decline_holds_from_the_levels_just_under_its_reference() -> None:
     assert curve(by_tput).kept()[1] is True
     assert curve([*by_tput, (30.0, 1100.0, 0.08, 0.03)]).kept()[1] is False
     assert curve([*by_tput, (30.0, 1300.0, 0.08, 0.03)]).kept()[1] is True
+
+
+def test_a_decline_read_by_one_window_fades_as_a_breach_does() -> None:
+    # noisy-gentle-3x, seed 94: 118 read once in a slow spell, 24% under 60's fast spell,
+    # held the knee at 64 and the limit under it for the run: nothing read 118 again
+    def curve(readings: list[tuple[float, float, float]]) -> Curve:
+        c = Curve(KneeConfig())
+        for lvl, tput, end in readings:
+            c.learn(summary(end=end, inflight=lvl, max_inflight=lvl, throughput=tput), lvl, False)
+        return c
+
+    once = [(60.0, 1341.0, 5.0), (64.0, 1247.0, 10.0), (118.0, 1017.0, 15.0)]
+    assert curve(once).kept()[1] is True
+    # windows under it, within `objective_memory` (30 s) of its reading, keep it
+    within = curve([*once, (60.0, 1300.0, 45.0)])
+    assert within.kept()[1] is True
+    assert within.knee() == (64.0, False)
+    # past it, it fades: the curve runs on, and the limit may measure 118 again
+    after = curve([*once, (60.0, 1300.0, 45.1)])
+    assert after.kept()[1] is False
+    assert [p.concurrency for p in after.kept()[0]] == [60.0, 64.0]
+    # a decline read by two windows stays for `memory`
+    twice = curve([*once, (118.0, 1017.0, 20.0), (60.0, 1300.0, 60.0)])
+    assert twice.kept()[1] is True
