@@ -311,15 +311,11 @@ class Curve:
         0.968 -> 0.970 (+0.003, standard error 0.001, 19 better, 4 worse); noisy-cpu-3x and
         the other 15 scenarios within their noise (docs/benchmarks.md, "A decline read
         once fades")."""
-        kept, _ = self.kept()
-        # the steady levels as `kept` walks them; the first past the kept ones declined
-        walked = sorted(
-            (p for p in self.points.values() if p.steady and p.throughput > 0),
-            key=lambda p: p.concurrency,
-        )
+        walked = self._walked()
+        kept = self._until_decline(walked)
         if len(walked) <= len(kept):
             return
-        past = walked[len(kept)]
+        past = walked[len(kept)]  # the first level past the kept ones: it declined
         if past.windows == 1 and now - past.at > self.cfg.objective_memory:
             for key in [k for k, p in self.points.items() if p is past]:
                 del self.points[key]
@@ -433,11 +429,16 @@ class Curve:
         return max(0.0, min(1.0, a / (a + b * level))) if b > 0 and a + b * level > 0 else 1.0
 
     def kept(self) -> tuple[list[Point], bool]:
-        """The steady levels up to the decline, ascending; and whether one was cut off."""
-        # a draining window's mean in-flight understates the level its throughput came from
-        pts = sorted((p for p in self.points.values() if p.steady), key=lambda p: p.concurrency)
-        kept = self._until_decline([p for p in pts if p.throughput > 0])
-        return kept, len(kept) < len(pts)
+        """The steady levels up to the decline, ascending; and whether one was cut off (a
+        level that measured no throughput counts as one)."""
+        kept = self._until_decline(self._walked())
+        return kept, len(kept) < sum(p.steady for p in self.points.values())
+
+    def _walked(self) -> list[Point]:
+        """The levels `kept` walks up: steady ones with a throughput read, ascending (a
+        draining window's mean in-flight understates the level its throughput came from)."""
+        pts = (p for p in self.points.values() if p.steady and p.throughput > 0)
+        return sorted(pts, key=lambda p: p.concurrency)
 
     def _until_decline(self, pts: list[Point]) -> list[Point]:
         """The levels up to the first that declined from the best before it: throughput down
@@ -497,10 +498,9 @@ class Curve:
         kept, declined = self.kept()
         a, b, _ = _fit(kept)
         fitted = a > 0 and b > 0
-        pts = self.points.values()
-        # kept's prefix of these; `declined` also counts a level that measured no throughput
-        past = sorted(p.concurrency for p in pts if p.steady and p.throughput > 0)[len(kept):]
-        bad = sorted(p.concurrency for p in pts if p.over_objective)
+        # `declined` also counts a level that measured no throughput
+        past = [p.concurrency for p in self._walked()[len(kept):]]
+        bad = sorted(p.concurrency for p in self.points.values() if p.over_objective)
         return {
             "kept": [round(p.concurrency, 2) for p in kept],
             "decline_from": round(past[0], 2) if declined and past else None,
