@@ -50,7 +50,11 @@ class KneeConfig(BaseControllerConfig):
     )
     memory: float = Field(300.0, gt=0, le=86_400, description="seconds a curve point is kept")
     objective_memory: float = Field(
-        30.0, gt=0, le=86_400, description="seconds a level stays marked as over the objectives"
+        30.0,
+        gt=0,
+        le=86_400,
+        description="seconds a level stays marked as over the objectives (a decline read once,"
+        " and a level as a decline's reference, as long)",
     )
     bin_ratio: float = Field(0.05, gt=0, le=1, description="relative width of a level bin")
     smoothing: float = Field(0.5, gt=0, le=1, description="weight of a new window at its level")

@@ -470,3 +470,34 @@ def test_a_decline_read_by_one_window_fades_as_a_breach_does() -> None:
     # a decline read by two windows stays for `memory`
     twice = curve([*once, (118.0, 1017.0, 20.0), (60.0, 1300.0, 60.0)])
     assert twice.kept()[1] is True
+
+
+def test_a_decline_is_judged_from_references_read_within_objective_memory() -> None:
+    # noisy-gentle-3x, seed 22: 30 and 32 read early in a fast spell, the levels near 64 read
+    # for 100 s after with TPOT doubled: power under half of 30's, a decline that held the
+    # limit at 63-73 while a fixed 110 serves best. Nothing read 30 or 32 again
+    lo, hi, top = (0.08, 0.03), (0.3, 0.065), (0.5, 0.1)  # (TTFT p90, TPOT p50)
+
+    def curve(readings: list[tuple[float, float, tuple[float, float], float]]) -> Curve:
+        c = Curve(KneeConfig())
+        for lvl, tput, (ttft, tpot), end in readings:
+            w = summary(end=end, inflight=lvl, max_inflight=lvl, throughput=tput,
+                        ttft_p90=ttft, tpot_p50=tpot)
+            c.learn(w, lvl, False)
+        return c
+
+    # 64 declined by power from 32 (and from 30 under it); 110, one window, paid from 64
+    climb = [(30.0, 1000.0, lo, 5.0), (32.0, 1000.0, lo, 10.0), (64.0, 1000.0, hi, 15.0),
+             (110.0, 1250.0, top, 20.0)]
+    # the limit under the knee re-reads 64; 32, read 30 s before, is still a reference
+    within = curve([*climb, (64.0, 1000.0, hi, 40.0)])
+    assert within.knee() == (32.0, False)
+    # past `objective_memory` 30 and 32 are kept levels, no reference: 64's power is the best,
+    # 110's is not under half of it, and the curve runs on (the fit's knee past 110)
+    after = curve([*climb, (64.0, 1000.0, hi, 40.1)])
+    assert [p.concurrency for p in after.kept()[0]] == [30.0, 32.0, 64.0, 110.0]
+    knee, rising = after.knee()
+    assert knee is not None and knee > 110.0 and rising
+    # a fresh reading at 32 is a reference again, and the decline holds
+    reread = curve([*climb, (64.0, 1000.0, hi, 40.1), (32.0, 1000.0, lo, 45.0)])
+    assert reread.knee() == (32.0, False)
