@@ -16,8 +16,8 @@ engine's curve, the engine's level too). Walking up
 them, the curve is *kept* until the first level whose throughput is `decline` under the
 best so far, or whose Kleinrock power (tput / (TTFT p90 + TPOT p50 x mean answer)) is under
 `power_floor` x the best while its step up from the best's level did not pay; each from
-the best's level and from every kept level within `pair` under it. The best is read among
-levels read within `objective_memory` of the curve's latest window. The knee
+the best's level and from every kept level within `pair` under it. The best is taken among
+the levels read within `objective_memory` of the curve's latest window. The knee
 is the lowest of:
 
     fit:     tput = a c / (1 + c/k), least squares on c / tput = 1/a + c/(a k)
@@ -463,15 +463,15 @@ class Curve:
         over seeds 1-108 0.959 -> 0.968 (docs/benchmarks.md, "Noise in the aim").
 
         The reference is a level read within `objective_memory` (30 s) of the curve's latest
-        window: a reading older than that is from another spell of the host, and the limit,
-        held under the decline, never reads it again. On a curve that bends gently, power
+        window: an older reading may be from another spell of the host, and the limit, held
+        under the decline, never reads it again. On a curve that bends gently, power
         (throughput^2 / level, by Little's law) is highest far under the knee, at a level
         the climb read once on its way up. noisy-gentle-3x, seed 22: 30 and 32 read in the
-        first 80 s (1,027 and 1,189 tokens/s, 8% and more over what fixed limits there
-        serve), 61-69 read 1,030-1,190 for the next 100 s with TPOT doubled: power fell
+        first 80 s (1,027 and 1,189 tokens/s; fixed limits of 28-32 serve ~950-970),
+        61-69 read 1,030-1,190 for the next 100 s with TPOT doubled: power fell
         under half of 30's, a decline that held the limit at 63-73 while a fixed 110 serves
         best (0.867 of the oracle); judged from fresh levels only, 0.897. Over seeds 1-108
-        0.970 -> 0.977 (+0.007, standard error 0.0015, 32 better, 9 worse); noisy-cpu-3x
+        0.970 -> 0.977 (+0.006, standard error 0.0015, 31 better, 9 worse); noisy-cpu-3x
         and the other 15 scenarios within their noise (docs/benchmarks.md, "A decline's
         reference is fresh"). On a curve that settled under a real knee the limit re-reads
         the levels just under it: the references stay fresh."""
