@@ -497,7 +497,10 @@ class Curve:
                 break  # latency grew far faster than throughput, which the step did not buy
             kept.append(p)
             if p.at < fresh:
-                continue  # kept, but no reference: another spell of the host read it
+                # kept, but no reference: another spell of the host read it. Within `pair`
+                # under a fresh reference it still must show the decline (`_under`): an old
+                # reading may hold a verdict back, never make one
+                continue
             if not p.scrape and (peak is None or p.throughput > peak.throughput):
                 peak = p
             if power is not None and (best is None or power > best[0]):
