@@ -20,6 +20,7 @@ from kneegate.benchmarks.simulate import (
     load_scenario,
     main,
     oracle,
+    parse_seeds,
     run,
     run_spec,
     scenario_names,
@@ -177,3 +178,30 @@ def test_a_fixed_pair_runs_beside_a_controller_as_the_oracle_names_it(
     with pytest.raises(SystemExit):
         main(["--scenario", "steady-3x", "--controllers", "knee,fixed@40/half"])
     assert "fixed@40/half" in capsys.readouterr().err
+
+
+def test_seeds_read_each_scenario_as_a_distribution(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_seeds("7") == [7]
+    assert parse_seeds("1,5-7, 6") == [1, 5, 6, 7]  # each seed once, in order
+    for bad in ("", "a", "3-1", "1,,2", "-2"):
+        with pytest.raises(ValueError, match="seeds are"):
+            parse_seeds(bad)
+    ratios = {1: [0.90, 1.00], 2: [0.99, 1.00], 3: [0.96, 0.94], 4: [1.03, 1.00]}
+
+    def fake(job: tuple[str, int, tuple[str, ...]]) -> tuple[str, int, list[float]]:
+        name, seed, controllers = job
+        assert controllers == ("knee", "fixed@40/0.5T")
+        return name, seed, ratios[seed]
+
+    monkeypatch.setattr("kneegate.benchmarks.simulate._ratios", fake)
+    assert main(["--scenario", "steady-3x", "--controllers", "knee,fixed@40/0.5T",
+                 "--seeds", "1-4"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    # scenario, controller, seeds, median, mean, worst, its seed, under 0.95
+    assert rows == [
+        ["steady-3x", "knee", "4", "0.975", "0.970", "0.900", "1", "1"],
+        ["steady-3x", "fixed@40/0.5T", "4", "1.000", "0.985", "0.940", "3", "1"],
+    ]
+    with pytest.raises(SystemExit):
+        main(["--scenario", "steady-3x", "--seeds", "5-2"])
