@@ -233,6 +233,7 @@ class Knee(Windowed):
         ramped = self._ramped(w)
         bad = w.drops > 0 or self._over_objective(w, ramped)
         level, _ = self._curve.level(w)
+        read_at = level  # the window's mean level, where its answers ended: `_in_step`
         full = queued(w, c.queue_jitter)
         # the window after a move measures the move (a burst of prefills), not the level
         # a full engine's level counts its queue: its throughput is the plateau's, at no level
@@ -268,7 +269,7 @@ class Knee(Windowed):
             # neither beyond where TTFT or TPOT, grown in step with the level, would pass its
             # objective (`_in_step`)
             grow = self._probe_step(target) if self._probing else self._grow(level)
-            self._set_limit(max(1.0, min(target, grow, self._in_step(w, level))))
+            self._set_limit(max(1.0, min(target, grow, self._in_step(w, read_at))))
         else:
             # app-limited or queued: hold — no demand tests whether the engine takes more (a
             # knee the curve measured still cuts: a decrease needs no proof of load); where
@@ -326,7 +327,16 @@ class Knee(Windowed):
         and the curve's noise moves the limit over 51-107 after it (0.917). Seeds 1-12: mean
         0.898 -> 0.933, worst 0.812 -> 0.891; noisy-cpu-3x mean 0.971 -> 0.978 (seed 7 0.978
         -> 0.920); the other 15 scenarios at seeds 7, 1-4 within 0.01 (docs/benchmarks.md,
-        "TPOT stops the climb")."""
+        "TPOT stops the climb").
+
+        `level` is where the window's latencies were read: its mean level, also for the
+        window after a rise that `_climbed` reads at its last scrape (its answers ended
+        while it held less). Scaled from the last scrape, noisy-gentle-3x at seed 46 read
+        TPOT 0.066 s over a window whose mean was 84 as if at 103 and climbed to 131, past
+        the objective in the next slow spell (0.936 of the oracle; 0.984 from 84): seeds
+        1-108 +0.002 (se 0.0017), noisy-cpu-3x 1-72 +0.001 (seed 7 0.936 -> 0.983), the
+        other 15 scenarios unchanged (docs/benchmarks.md, "A climb's TPOT from its own
+        level")."""
         c = self.cfg
         bound = math.inf
         ttft, tpot = self._latency(w, level)

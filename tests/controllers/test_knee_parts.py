@@ -171,6 +171,27 @@ def test_a_climb_is_judged_only_from_throughput_that_was_measured(
     assert k._climbed(w) is None
 
 
+def test_a_climbs_tpot_is_scaled_from_the_level_its_answers_ended_at() -> None:
+    # the window after a rise 64 -> 100 is read at its last scrape (100 in flight, 1,500
+    # tokens/s: the rise kept pace), but its answers ended while it held 84 on average: their
+    # TPOT of 0.06 s, grown in step from 84, meets the aim (0.85 x 0.1 s) at 84 x 0.085 /
+    # 0.06 = 119. Scaled from 100 it read 142, and on noisy-gentle-3x such climbs went on to
+    # ~130, where the next slow spell broke TPOT's objective (seed 46: 0.936 of the oracle;
+    # 0.984 read from the window's level)
+    from kneegate.controllers.knee import Knee
+
+    k = Knee(KneeConfig(initial=100, tpot_objective=0.1, tpot_aim=0.85, probe_every=100))
+    k._curve = climbed([(32.0, 700.0), (64.0, 1000.0)])
+    k._curve.engine_mode = True
+    k._moved, k._moved_up = True, True
+    w = summary(start=25.0, end=30.0, inflight=84.0, max_inflight=100, throughput=1300.0,
+                engine_inflight=84.0, engine_running=84.0, engine_throughput=1300.0,
+                engine_first=64.0, engine_last=(100.0, 1500.0), tpot_p50=0.06)
+    assert k._climbed(w) is not None
+    k._close(w)
+    assert k.limit == 119
+
+
 def test_an_app_limited_window_does_not_lower_the_room() -> None:
     room = Room()
     room.measure(summary(engine_running=40.0, engine_kv=0.8), False, False, 0.5)
