@@ -175,7 +175,7 @@ def test_a_climbs_tpot_is_scaled_from_the_level_its_answers_ended_at() -> None:
     # the window after a rise 64 -> 100 is read at its last scrape (100 in flight, 1,500
     # tokens/s: the rise kept pace), but its answers ended while it held 84 on average: their
     # TPOT of 0.06 s, grown in step from 84, meets the aim (0.85 x 0.1 s) at 84 x 0.085 /
-    # 0.06 = 119. Scaled from 100 it read 142, and on noisy-gentle-3x such climbs went on to
+    # 0.06 = 119. Scaled from 100 it read 141, and on noisy-gentle-3x such climbs went on to
     # ~130, where the next slow spell broke TPOT's objective (seed 46: 0.936 of the oracle;
     # 0.984 read from the window's level)
     from kneegate.controllers.knee import Knee
