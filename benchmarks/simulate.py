@@ -60,6 +60,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1020,8 +1021,6 @@ def over_seeds(names: list[str], controllers: list[str], seeds: list[int], jobs:
     if jobs == 1:
         done = [_ratios(job) for job in work]
     else:
-        from concurrent.futures import ProcessPoolExecutor
-
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             done = list(pool.map(_ratios, work))
     print(SEEDS_HEADER)
