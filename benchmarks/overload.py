@@ -138,6 +138,8 @@ class Record:
     key: str = ""  # the API key it sent (`--keys`), "" for none
     retry_after: bool = False  # a rejection that said when to come back
     last: float | None = None  # the last token
+    prompt: int = 0  # its prompt's tokens, where they vary (`benchmarks.replay`)
+    reason: str = ""  # a rejection's x-kneegate-reject-reason (a gateway's), else ""
 
     @property
     def tpot(self) -> float | None:
@@ -166,17 +168,19 @@ class _Client:
             "ignore_eos": True,
         }
 
-    async def one(self, rec: Record) -> None:
+    async def one(self, rec: Record, body: dict[str, Any] | None = None) -> None:
+        """Send `body` (default: the fixed one) as user `rec`, and follow it to its end."""
         loop = asyncio.get_running_loop()
         sent, sent_loop = time.monotonic(), loop.time()
         headers = {"authorization": f"Bearer {rec.key}"} if rec.key else None
         try:
             async with asyncio.timeout(self.args.give_up) as bound:
-                async with self.session.post(self.endpoint, json=self.body,
+                async with self.session.post(self.endpoint, json=body or self.body,
                                              headers=headers) as resp:
                     rec.answer, rec.status = time.monotonic() - sent, resp.status
                     if resp.status != 200:
                         rec.retry_after = "retry-after" in resp.headers
+                        rec.reason = resp.headers.get("x-kneegate-reject-reason", "")
                         await resp.read()
                         return
                     await self._stream(rec, resp, sent, bound, sent_loop)
