@@ -205,7 +205,8 @@ def run(args: argparse.Namespace) -> Report:
     rows = trace.load(args.trace)
     with _serving(Arm("direct"), args.profile, args.upstream) as url:
         rep.context = args.context or _context(url)
-        rows = trace.cap(rows, rep.context)
+        rows = (trace.cap(rows, rep.context) if args.max_prompt is None else
+                [trace.Request(r.at, min(r.prompt, args.max_prompt), r.output) for r in rows])
         rep.mean_output = statistics.fmean(r.output for r in rows)
         if args.capacity is not None:
             rep.capacity_tok_s = args.capacity
@@ -290,11 +291,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--upstream", help="a running engine instead of a fresh emulator per cell")
     ap.add_argument("--model", help="the model name requests carry (default: the profile)")
     ap.add_argument("--context", type=int, help="the engine's context (default: its /v1/models)")
+    ap.add_argument("--max-prompt", type=int, help="cap prompts at this many tokens and keep "
+                    "answers as recorded, instead of fitting both to the context: requests "
+                    "over the context are then answered 400 in every arm")
     ap.add_argument("--capacity", type=float, help="output tokens/s taken as the capacity")
     ap.add_argument("--capacity-streams", type=int, default=64)
     ap.add_argument("--capacity-seconds", type=float, default=20.0)
     ap.add_argument("--capacity-warmup", type=float, default=5.0)
     ap.add_argument("--json", type=Path, help="write the run here")
+    ap.set_defaults(prompt_tokens=1, max_tokens=1)  # `overload._Client`'s own body, unused
     return ap
 
 

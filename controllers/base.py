@@ -180,6 +180,9 @@ class LimitController:
     """Template base: clamping, rounding and the cancelled-is-no-sample rule live here."""
 
     name = "base"
+    # learns its limit from traffic: a gateway may admit past it until the engine shows
+    # saturation (`gateway.slow_start`)
+    adaptive = True
 
     def __init__(self, cfg: BaseControllerConfig) -> None:
         self.cfg = cfg

@@ -17,6 +17,7 @@ class FixedConfig(BaseControllerConfig):
 
 class Fixed(LimitController):
     name = "fixed"
+    adaptive = False  # the operator's number: no slow start past it
 
     def __init__(self, cfg: FixedConfig | None = None) -> None:
         super().__init__(cfg or FixedConfig())

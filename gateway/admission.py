@@ -145,6 +145,8 @@ class AdmissionQueue:
     _buckets: TokenBuckets = field(default_factory=TokenBuckets, init=False)  # tokens a minute
     # seconds of prefill an upstream may be handed: the tightest class's queue budget
     _prefill_horizon: float = field(default=0.0, init=False)
+    # a first token later than this after dispatch ends a slow start: the tightest objective
+    _slow_start_ttft: float = field(default=math.inf, init=False)
 
     def __post_init__(self) -> None:
         self.reconfigure(self.classes, self.max_queue, self.upstreams)
@@ -175,6 +177,8 @@ class AdmissionQueue:
         budgets = [c.queue_budget * c.ttft_objective for c in self.classes.values()
                    if math.isfinite(c.ttft_objective)]
         self._prefill_horizon = min(budgets, default=0.0)
+        self._slow_start_ttft = min((c.ttft_objective for c in self.classes.values()),
+                                    default=math.inf)
 
     def capacity(self, cls: str) -> int:
         share = self.classes[cls].queue_share
@@ -207,7 +211,7 @@ class AdmissionQueue:
         """
         wait = self._wait.queue_wait(ahead)
         if wait is None:
-            wait = (ahead + 1) / (sum(u.controller.limit for u in self.upstreams if u.usable) or 1)
+            wait = (ahead + 1) / (sum(u.limit for u in self.upstreams if u.usable) or 1)
         return self._clamp(wait)
 
     # --- the decisions -------------------------------------------------------------
@@ -276,19 +280,35 @@ class AdmissionQueue:
 
     def _predict(self, ahead: int, now: float) -> float | None:
         """The wait predicted for a request with `ahead` before it: at the completion rate,
-        but not before the oldest request in flight is likely to end (`_first_free`)."""
+        but not before the oldest request in flight is likely to end (`_first_free`). None
+        (nothing is refused for its objective) while some usable upstream's slow start is
+        open: no refusal without evidence that the engine saturates."""
+        if self._unproven():
+            return None
         wait = self._wait.queue_wait(ahead)
         if wait is None:
             return self._cold_wait(ahead, now)
         return max(wait, self._first_free(now))
 
+    def _unproven(self) -> bool:
+        """Some usable upstream has shown no saturation yet (its slow start is open)."""
+        for u in self.upstreams:
+            if u.usable and u.slow_start is not None and u.slow_start.open:
+                return True
+        return False
+
+    def engine_refused(self, up: UpstreamState) -> None:
+        """`up`'s engine refused a request unstarted (its own queue caps): saturation."""
+        if up.slow_start is not None:
+            up.slow_start.end(up.inflight + 1)
+
     def _cold_wait(self, ahead: int, now: float) -> float | None:
-        """The wait predicted before the completion rate is measured (a cold start): the
-        requests in flight free their slots no faster than one each for as long as the
-        oldest has run without an answer ending, `ahead + 1` x that age / in flight. None
-        with nothing in flight. It is a guess on the short side (a younger request may end
-        sooner), and it starts at 0: a burst onto a fresh gateway is queued as before,
-        and only time that passes with no answer ending refuses."""
+        """The wait predicted once the engine showed saturation but before the completion
+        rate is measured: the requests in flight free their slots no faster than one each
+        for as long as the oldest has run without an answer ending, `ahead + 1` x that age
+        / in flight. None with nothing in flight. A guess on the short side (a younger
+        request may end sooner), starting at 0: only time that passes with no answer
+        ending refuses."""
         at = self._oldest_dispatch()
         return None if at is None else (ahead + 1) * (now - at) / len(self._flying)
 
@@ -384,6 +404,12 @@ class AdmissionQueue:
             self._wait.note_duration(sample.duration)
             if sample.ttft is not None:
                 self._wait.note_ttft(sample.ttft)
+        ss = upstream.slow_start
+        if ss is not None and ss.open:
+            if outcome is Outcome.UPSTREAM_OVERLOADED:
+                ss.end(upstream.inflight + 1)
+            elif outcome is Outcome.OK and sample.ttft is None:  # no first token: its end
+                ss.acked(upstream.inflight + 1, upstream.controller.limit)
 
     def tick(self, now: float, upstreams: Iterable[UpstreamState] | None = None
              ) -> tuple[list[Ticket], list[Ticket]]:
@@ -396,8 +422,11 @@ class AdmissionQueue:
         return dispatched, self.expire(now)
 
     def engine_stats(self, upstream: UpstreamState, stats: EngineStats) -> None:
-        """One good scrape of `upstream`'s engine metrics, for its controller."""
+        """One good scrape of `upstream`'s engine metrics, for its controller (and its slow
+        start: the engine's own queue standing is saturation)."""
         self._call(upstream, "on_engine_stats", stats)
+        if upstream.slow_start is not None:
+            upstream.slow_start.engine_stats(stats, upstream.inflight)
 
     def _call(self, up: UpstreamState, hook: str, *args: object) -> None:
         try:
@@ -430,7 +459,11 @@ class AdmissionQueue:
         ticket.awaiting_first = False
         up.prefilling -= 1
         assert ticket.dispatched_at is not None, "a dispatched ticket has its time"
-        up.prefill_line.note(ticket.backlog_at_dispatch, now - ticket.dispatched_at)
+        ttft = now - ticket.dispatched_at
+        up.prefill_line.note(ticket.backlog_at_dispatch, ttft)
+        if up.slow_start is not None:
+            up.slow_start.first_token(ttft, self._slow_start_ttft, up.inflight,
+                                      up.controller.limit)
         cap = up.prefill_line.cap(self._prefill_horizon) if self._prefill_horizon > 0 else 0
         up.prefill_cap = max(cap, self._refill(up)) if cap else 0
         return self.pump(now)
@@ -444,7 +477,7 @@ class AdmissionQueue:
         duration = self._wait.duration
         if not duration:
             return 1
-        return math.ceil(up.controller.limit * self._wait.engine_ttft / duration)
+        return math.ceil(up.limit * self._wait.engine_ttft / duration)
 
     def note_completion(self, now: float) -> None:
         """A request finished on an engine: the completion rate's evidence."""
@@ -573,6 +606,7 @@ class AdmissionQueue:
             return False
         self.free(ticket)  # unserved: its tenant is refunded
         up.refusing = True
+        self.engine_refused(up)
         ticket.upstream, ticket.dispatched_at = None, None
         ticket.due, ticket.deadline = due, deadline
         self._busy_queue(now)

@@ -15,6 +15,7 @@ from typing import Any
 
 from kneegate.controllers.base import Controller
 from kneegate.gateway.admission_wait import PrefillLine
+from kneegate.gateway.slow_start import SlowStart
 
 __all__ = [
     "Admitted",
@@ -60,7 +61,8 @@ class ClassPolicy:
 class UpstreamState:
     """One engine as admission sees it: its controller and its live in-flight count.
 
-    It has room for a ticket while its in-flight count is under its controller's `limit`,
+    It has room for a ticket while its in-flight count is under its `limit` (its controller's,
+    or more while its slow start is open: `gateway.slow_start`),
     the controller `fits` the ticket's prompt-size estimate beside the sizes already in
     flight there (a token budget; most controllers count requests only), and fewer of its
     streamed requests await their first token than `prefill_cap` (0: no cap; set by the
@@ -76,16 +78,29 @@ class UpstreamState:
     prefill_cap: int = 0  # at most this many of them (0: no cap)
     # its TTFT against the backlog each request found: what sets `prefill_cap`
     prefill_line: PrefillLine = field(default_factory=PrefillLine)
+    # no refusal without evidence: None for a controller that is not adaptive (`fixed`)
+    slow_start: SlowStart | None = None
+
+    def __post_init__(self) -> None:
+        if self.slow_start is None and getattr(self.controller, "adaptive", True):
+            self.slow_start = SlowStart()
+
+    @property
+    def limit(self) -> int:
+        """The in-flight count it may hold: its controller's limit, or its slow start's
+        allowance while that is open and larger."""
+        ss = self.slow_start
+        return self.controller.limit if ss is None else ss.limit(self.controller.limit)
 
     @property
     def fullness(self) -> float:
-        return self.inflight / max(1, self.controller.limit)
+        return self.inflight / max(1, self.limit)
 
     def has_room_for(self, tokens: int) -> bool:
         """Room for one more request of `tokens` (estimated prompt tokens): usable, under
         the limit, and within the controller's token budget. An idle upstream always has
         room for one, whatever its budget says: nothing else would ever run."""
-        if not self.usable or self.refusing or self.inflight >= self.controller.limit:
+        if not self.usable or self.refusing or self.inflight >= self.limit:
             return False
         if self.prefill_cap and self.prefilling >= self.prefill_cap:
             return False

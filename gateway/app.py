@@ -137,7 +137,7 @@ class Gateway:
 
     def demand(self, now: float) -> DemandEstimate | None:
         """The scale-out signal at `now`: offered load against the usable upstreams' limits."""
-        limits = [u.controller.limit for u in self.queue.upstreams if u.usable]
+        limits = [u.limit for u in self.queue.upstreams if u.usable]
         return self.queue.demand.estimate(now, limits, self.config.scale.target)
 
     async def start(self) -> None:

@@ -311,6 +311,7 @@ class Gate:
         old, t = permit.upstream, permit.ticket
         if self.reroute(permit):
             old.refusing = True  # after `reroute` freed its slot
+            self.queue.engine_refused(old)
             if sample is not None:
                 self.queue.note_sample(old, sample)
             return True

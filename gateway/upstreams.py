@@ -105,10 +105,6 @@ class Upstream(UpstreamState):
     frozen: bool = False  # failing scrapes and silent requests: see the module docstring
 
     @property
-    def limit(self) -> int:
-        return self.controller.limit
-
-    @property
     def knee_estimate(self) -> float | None:
         knee = self.controller.knee_estimate
         return None if knee is None else float(knee)

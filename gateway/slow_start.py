@@ -1,0 +1,100 @@
+"""`SlowStart`: no refusal without evidence. Until an engine shows it is saturating, the
+gateway admits what the engine would take, growing its allowance as TCP's slow start grows
+its window.
+
+Pure, like the queue that drives it (`gateway.admission`): no clock, times come in as data.
+
+A fresh gateway (a start, a reload that builds new upstreams, a new replica) knows nothing of
+its engine; its controller's limit is a guess (`initial`, 16) and its windows take seconds to
+close. Held at that guess, a closed loop of 64 clients saw 17 of 640 requests served and the
+rest refused within 1.5 s, where the engine alone gave each of them a first token within 1.8 s.
+So an upstream's limit, while its slow start is open, is the larger of its controller's limit
+and an allowance that grows by one for each first token that came back within the objective
+while the upstream was full: it doubles per round trip to a first token (prefills take a
+fraction of a second; whole answers take many seconds, so a first token, not a completion, is
+the acknowledgement; an answer that does not stream acknowledges at its end).
+
+The allowance stays within `REACH` (4) x the controller's limit when the slow start first
+counted: two doublings past the first guess, the levels the controller's own climb visits in
+its first windows. Unbounded, it ran to the engine's own `max_num_seqs` under overload before
+anything said stop (cpu-tiny: ~180 in flight), and `knee`, whose first windows then read a
+flat plateau at 90-180, held its limit at ~88 where the knee is at 32 (the simulator's
+cpu-tiny-3x); within 4x it reads the levels its own climb would have.
+
+Evidence of saturation, any one of which closes the slow start for good (until the upstream
+is built anew):
+
+    a first token later than the tightest class's objective after dispatch (the engine
+        alone already misses it)
+    the engine's own queue standing between two scrapes, or preemptions (`is_distress`)
+    the engine refusing a request unstarted (vLLM's queue caps, `AdmissionQueue.requeue`)
+    an answer of `upstream_overloaded`
+
+Closed, the upstream's limit is its controller's again; what is in flight past it drains as
+answers end. While any usable upstream's slow start is open, the queue refuses nothing for
+its objective (`AdmissionQueue._predict`): a queued request waits at most until it is due. A
+controller that is not adaptive (`fixed`: the operator's number) gets no slow start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kneegate.controllers.base import EngineStats, is_distress
+
+__all__ = ["SlowStart"]
+
+
+@dataclass(slots=True)
+class SlowStart:
+    """One upstream's slow start: `open` until the engine shows saturation; `allowance`,
+    the in-flight it may take meanwhile (0: none beyond the controller's limit)."""
+
+    REACH: ClassVar[int] = 4  # the allowance stays within this x the first limit seen
+    open: bool = True
+    allowance: int = 0
+    _base: int = 0  # the controller's limit when the slow start first counted
+    ended_at_level: int | None = None  # the in-flight count that showed saturation
+    _last_stats: EngineStats | None = None
+
+    def limit(self, controller_limit: int) -> int:
+        """The in-flight count the upstream may hold now."""
+        if self.open and self.allowance > controller_limit:
+            return self.allowance
+        return controller_limit
+
+    def first_token(self, ttft: float, threshold: float, inflight: int,
+                    controller_limit: int) -> bool:
+        """A first token came `ttft` s after its dispatch, with `inflight` now in flight.
+        Within `threshold` while the upstream is full (in-flight at its limit, less one:
+        the request that just got its token is still in flight), the allowance grows by one;
+        later, the slow start ends. True when this call ended it."""
+        if not self.open:
+            return False
+        if ttft > threshold:
+            return self.end(inflight)
+        self.acked(inflight, controller_limit)
+        return False
+
+    def acked(self, inflight: int, controller_limit: int) -> None:
+        """The engine answered one request in time (a first token; for an answer that does
+        not stream, its end) with `inflight` still in flight: while the upstream was full,
+        one more may be in flight."""
+        limit = self.limit(controller_limit)
+        self._base = self._base or controller_limit
+        if self.open and inflight >= limit - 1:
+            self.allowance = min(self.REACH * self._base, limit + 1)
+
+    def engine_stats(self, stats: EngineStats, inflight: int) -> bool:
+        """A scrape of the engine: its queue standing, or preemptions, end the slow start.
+        True when this call ended it."""
+        prev, self._last_stats = self._last_stats, stats
+        return self.open and is_distress(prev, stats) and self.end(inflight)
+
+    def end(self, inflight: int) -> bool:
+        """Saturation was seen at `inflight` in flight: close (True), unless closed already."""
+        if not self.open:
+            return False
+        self.open, self.ended_at_level = False, inflight
+        return True
