@@ -159,7 +159,7 @@ async def closed_loop(url: str, reqs: list[trace.Request], args: argparse.Namesp
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return sum(r.window_tokens for r in users) / args.capacity_seconds
+    return float(sum(r.window_tokens for r in users) / args.capacity_seconds)
 
 
 def _context(url: str) -> int:

@@ -18,6 +18,7 @@ Pure and deterministic: no clock, no I/O but reading the file. The wall-clock re
 from __future__ import annotations
 
 import csv
+import itertools
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -79,7 +80,7 @@ def schedule(rows: list[Request], rate: float, seconds: float, start: int = 0) -
         raise ValueError("rate and seconds must be positive")
     n = max(1, round(rate * seconds))
     picked = [rows[(start + i) % len(rows)] for i in range(n + 1)]
-    gaps = [max(0.0, b.at - a.at) for a, b in zip(picked, picked[1:], strict=False)]
+    gaps = [max(0.0, b.at - a.at) for a, b in itertools.pairwise(picked)]
     recorded = sum(gaps) or 1.0  # seconds the n gaps span in the trace
     scale = (n / rate) / recorded
     out, t = [], 0.0

@@ -1,0 +1,120 @@
+"""No refusal without evidence: the slow start alone, then driving the pure admission queue."""
+
+from __future__ import annotations
+
+from helpers.controllers import make_sample
+
+from kneegate.controllers.base import EngineStats, Outcome
+from kneegate.controllers.registry import build_controller
+from kneegate.gateway.admission import AdmissionQueue
+from kneegate.gateway.admission_types import (
+    ClassPolicy,
+    Queued,
+    Rejected,
+    RejectReason,
+    Ticket,
+    UpstreamState,
+)
+from kneegate.gateway.slow_start import SlowStart
+
+CLASSES = {"default": ClassPolicy("default", max_wait=30.0, ttft_objective=2.0)}
+
+
+def stats(preemptions: float) -> EngineStats:
+    return EngineStats(at=0.0, running=8, waiting=40, kv_cache_usage=0.5,
+                       preemptions_total=preemptions)
+
+
+def test_each_timely_first_token_at_the_limit_adds_one_slot_up_to_its_reach() -> None:
+    ss = SlowStart()
+    assert ss.limit(4) == 4
+    assert not ss.first_token(0.1, 2.0, inflight=4, controller_limit=4)
+    assert ss.limit(4) == 5
+    ss.first_token(0.1, 2.0, inflight=2, controller_limit=4)  # not full: no growth
+    assert ss.limit(4) == 5
+    for _ in range(100):
+        ss.first_token(0.1, 2.0, inflight=ss.limit(4), controller_limit=4)
+    assert ss.limit(4) == SlowStart.REACH * 4  # within its reach of the first limit
+    assert ss.limit(40) == 40  # a controller that climbed past it decides
+
+
+def test_saturation_closes_it_for_good() -> None:
+    late = SlowStart(allowance=12)
+    assert late.first_token(2.5, 2.0, inflight=12, controller_limit=4)  # past the objective
+    assert not late.open and late.ended_at_level == 12 and late.limit(4) == 4
+    assert not late.first_token(0.1, 2.0, inflight=4, controller_limit=4)
+    assert late.limit(4) == 4
+    preempted = SlowStart(allowance=12)
+    assert not preempted.engine_stats(stats(3), inflight=12)  # the first scrape: no delta
+    assert preempted.engine_stats(stats(5), inflight=12)
+    assert not preempted.open
+    queued = SlowStart(allowance=12)
+    assert not queued.engine_stats(stats(3), inflight=12)  # one reading of a queue
+    assert queued.engine_stats(stats(3), inflight=12)  # standing: saturation
+    assert not queued.open
+
+
+def queue(controller: str = "aimd") -> tuple[AdmissionQueue, UpstreamState]:
+    up = UpstreamState("u", build_controller(controller, {"initial": 4}))
+    return AdmissionQueue([up], CLASSES, max_queue=64), up
+
+
+def burst(q: AdmissionQueue, n: int, now: float) -> list[Ticket]:
+    tickets = [Ticket("default", now, streamed=True) for _ in range(n)]
+    answers = [q.offer(t, now) for t in tickets]
+    assert not [a for a in answers if isinstance(a, Rejected)], answers
+    return tickets
+
+
+def test_a_cold_burst_is_queued_then_let_in_as_first_tokens_come_never_refused() -> None:
+    q, up = queue()
+    tickets = burst(q, 15, 0.0)
+    assert up.inflight == 4
+    # 1 s with no first token: the old guess, 12 ahead x the oldest's age / 4 in flight,
+    # said 3.0 s and refused it (over_objective)
+    late = Ticket("default", 1.0, streamed=True)
+    assert isinstance(q.offer(late, 1.0), Queued)
+    now = 1.0
+    while any(t.dispatched_at is None for t in [*tickets, late]):
+        now += 0.1
+        waiting_first = [t for t in [*tickets, late] if t.awaiting_first]
+        assert waiting_first, "nothing in flight and something queued"
+        for t in waiting_first:
+            q.first_token(t, now)
+    assert up.inflight == up.limit == 16  # its reach: 4 x the controller's 4
+    assert now < 2.0  # a few round trips to a first token, before any is due
+
+
+def test_once_saturated_the_limit_is_the_controllers_and_the_queue_may_refuse() -> None:
+    q, up = queue()
+    tickets = burst(q, 12, 0.0)
+    for t in [t for t in tickets if t.awaiting_first]:
+        q.first_token(t, 0.1)  # 4 timely first tokens: room for 8
+    assert up.limit == 8
+    first = next(t for t in tickets if t.awaiting_first)
+    q.first_token(first, 2.6)  # 2.5 s after its dispatch: past the 2 s objective
+    assert up.slow_start is not None and not up.slow_start.open
+    assert up.limit == up.controller.limit == 4
+    for i in range(40):  # answers end slowly: the measured rate says a long wait
+        q.note_completion(10.0 + i)
+    refused = q.offer(Ticket("default", 50.0, streamed=True), 50.0)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
+
+
+def test_an_overloaded_answer_is_saturation() -> None:
+    q, up = queue()
+    (t,) = burst(q, 1, 0.0)
+    q.release(t, 1.0, make_sample(outcome=Outcome.UPSTREAM_OVERLOADED, ttft=None))
+    assert up.slow_start is not None and not up.slow_start.open
+
+
+def test_a_fixed_limit_is_the_operators_number() -> None:
+    q, up = queue("fixed")
+    assert up.slow_start is None
+    tickets = burst(q, 8, 0.0)
+    for t in [t for t in tickets if t.awaiting_first]:
+        q.first_token(t, 0.1)
+    assert up.inflight == 4 and up.limit == 4
+    # and its queue guesses the wait from the time that passed with no answer, as before
+    refused = q.offer(Ticket("default", 3.0, streamed=True), 3.0)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
