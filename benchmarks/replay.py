@@ -59,7 +59,7 @@ from typing import Any
 import aiohttp
 
 from kneegate.benchmarks import trace
-from kneegate.benchmarks.overload import Arm, Record, _Client, _serving, summarize
+from kneegate.benchmarks.overload import Arm, Record, _Client, _fmt, _serving, summarize
 
 __all__ = ["BUCKETS", "arms", "by_bucket", "main", "run"]
 
@@ -185,9 +185,7 @@ _COLS = (f"{'arm':<12} {'load':>4} {'sent':>5} {'goodput':>8} {'/direct':>7} {'/
 
 
 def _row(r: dict[str, Any]) -> str:
-    def f(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
+    f = _fmt
     reasons = ",".join(f"{k}:{v}" for k, v in sorted(r["refused_by_reason"].items()))
     sizes = " ".join(f"{k}:{a}/{b}" for k, (a, b) in r["by_size"].items())
     return (f"{r['arm']:<12} {r['load']:>4g} {r['users']:>5} {r['goodput_tok_s']:>8.1f} "

@@ -6,9 +6,8 @@ Pure, like the queue that drives it (`gateway.admission`): no clock, times come 
 
 A fresh gateway (a start, a reload that builds new upstreams, a new replica) knows nothing of
 its engine; its controller's limit is a guess (`initial`, 16) and its windows take seconds to
-close. Held at that guess, a closed loop of 64 clients saw 17 of 640 requests served and the
-rest refused within 1.5 s, where the engine alone gave each of them a first token within 1.8 s.
-So an upstream's limit, while its slow start is open, is the larger of its controller's limit
+close; held at that guess, it refuses what the engine alone would have served in time. So an
+upstream's limit, while its slow start is open, is the larger of its controller's limit
 and an allowance that grows by one for each first token that came back within the objective
 while the upstream was full: it doubles per round trip to a first token (prefills take a
 fraction of a second; whole answers take many seconds, so a first token, not a completion, is
@@ -16,10 +15,8 @@ the acknowledgement; an answer that does not stream acknowledges at its end).
 
 The allowance stays within `REACH` (4) x the controller's limit when the slow start first
 counted: two doublings past the first guess, the levels the controller's own climb visits in
-its first windows. Unbounded, it ran to the engine's own `max_num_seqs` under overload before
-anything said stop (cpu-tiny: ~180 in flight), and `knee`, whose first windows then read a
-flat plateau at 90-180, held its limit at ~88 where the knee is at 32 (the simulator's
-cpu-tiny-3x); within 4x it reads the levels its own climb would have.
+its first windows, so that what the controller learns meanwhile is what its climb would have
+read (docs/experiments/2026-12-06-slow-start.md).
 
 Evidence of saturation, any one of which closes the slow start for good (until the upstream
 is built anew):
@@ -31,13 +28,9 @@ is built anew):
     the engine refusing a request unstarted (vLLM's queue caps, `AdmissionQueue.requeue`)
     an answer of `upstream_overloaded`
 
-Known limit: a burst of prefills also queues in the engine for a step or two (64 clients at
-once on the emulator: 48 waiting, then 32, 16), and `is_distress` reads that as saturation:
-a closed loop of 64 then still lost 268 of 640 requests (`benchmarks.coldstart`; 32 clients
-lose none). Requiring the queue to stand for 3 scrapes kept all 640, but in the simulator the
-slow start then ran past the knee before anything closed it (cpu-tiny-3x held ~90 where the
-knee is 32; five scenario tests failed): not landed. Telling a burst's queue from a standing
-one is the next step (issue 43).
+Known limit: a burst of prefills also queues in the engine for a step or two, and
+`is_distress` reads that as saturation, so a burst larger than the engine prefills at once
+can close the slow start early (the experiment above).
 
 Closed, the upstream's limit is its controller's again; what is in flight past it drains as
 answers end. While any usable upstream's slow start is open, the queue refuses nothing for
@@ -61,13 +54,11 @@ class SlowStart:
     the in-flight it may take meanwhile (0: none beyond the controller's limit)."""
 
     REACH: ClassVar[int] = 4  # the allowance stays within this x the first limit seen
-    STANDING: ClassVar[int] = 1  # scrapes in a row with the engine's queue standing
     open: bool = True
     allowance: int = 0
     _base: int = 0  # the controller's limit when the slow start first counted
     ended_at_level: int | None = None  # the in-flight count that showed saturation
     _last_stats: EngineStats | None = None
-    _distress: int = 0  # scrapes in a row that read the engine's queue standing
 
     def limit(self, controller_limit: int) -> int:
         """The in-flight count the upstream may hold now."""
@@ -98,14 +89,10 @@ class SlowStart:
             self.allowance = min(self.REACH * self._base, limit + 1)
 
     def engine_stats(self, stats: EngineStats, inflight: int) -> bool:
-        """A scrape of the engine: preemptions since the last one (its KV cache ran out), or
-        its own queue standing (`is_distress`) in `STANDING` scrapes in a row, end the slow
-        start. True when this call ended it."""
+        """A scrape of the engine: preemptions since the last one, or its own queue standing
+        (`is_distress`), end the slow start. True when this call ended it."""
         prev, self._last_stats = self._last_stats, stats
-        if prev is not None and stats.preemptions_total > prev.preemptions_total:
-            return self.end(inflight)
-        self._distress = self._distress + 1 if is_distress(prev, stats) else 0
-        return self._distress >= self.STANDING and self.end(inflight)
+        return is_distress(prev, stats) and self.end(inflight)
 
     def end(self, inflight: int) -> bool:
         """Saturation was seen at `inflight` in flight: close (True), unless closed already."""
