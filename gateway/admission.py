@@ -60,8 +60,9 @@ head over target is answered 503 instead of dispatched: CoDel's test with its dr
 by an answer (chosen over newest-first by measurement: `gateway.admission_wait`).
 
 The queue owns each controller's lifecycle, so the gateway and the simulator feed it alike:
-`offer` tells every usable upstream's controller of the arrival (`on_arrival`), a dispatch
-tells the chosen one (`on_admit`), `release` frees the slot first, then feeds the sample
+`offer` tells every usable upstream's controller of a generation request's arrival
+(`on_arrival`, queued or shed: the leading signal of the mix), a dispatch tells the chosen
+one (`on_admit`), `release` frees the slot first, then feeds the sample
 (`on_sample`), then dispatches; ticks (`on_tick`) and engine scrapes (`on_engine_stats`)
 come in through `tick` and `engine_stats`, and `has_room_for` asks `fits`. Every call is
 guarded: what a controller raises goes to `on_error` (the gate logs and counts it) and
@@ -80,6 +81,13 @@ count), it is the newest of the tenant furthest over its share (`FairQueue.victi
 at once (429, returned in `Queued.evicted`); with one tenant that is the arrival, as ever.
 A tenant's own caps (`TenantPolicy.max_inflight`, `tokens_per_minute`) refuse its requests
 429 `tenant_quota` before anything else.
+
+Only generation is evidence (`Ticket.generation`). A request that is not (`GET /v1/models`,
+`/tokenize`, ...) passes at once to the usable upstream with the fewest requests, with no
+slot (`UpstreamState.passing`), and no controller, rate, fair share or demand hears of it:
+a flood of them moves neither the limit nor the scale-out signal. The demand counts every
+generation arrival except those refused for a cap of their own (their tenant's quota, an
+objective they tightened themselves).
 """
 
 from __future__ import annotations
@@ -94,6 +102,7 @@ from kneegate.gateway.admission_types import (
     ClassPolicy,
     Queued,
     Rejected,
+    RejectReason,
     Ticket,
     UpstreamState,
     least_full,
@@ -220,20 +229,58 @@ class AdmissionQueue:
         cls = ticket.cls
         if cls not in self.classes:
             raise KeyError(f"unknown priority class {cls!r}")
-        self.demand.arrive(now)  # offered load: counted whatever is decided below
-        # every upstream that may serve it hears of it as it arrives, queued or shed: under
-        # overload the queue delays admissions by seconds
-        usable = False
+        if not ticket.generation:
+            return self._pass(ticket, now)
+        self._arrived(ticket)
+        decision = self._decide(ticket, now)
+        if not (type(decision) is Rejected and self._own_doing(ticket, decision)):
+            self.demand.arrive(now)  # offered load the engines could have served
+        return decision
+
+    def _own_doing(self, ticket: Ticket, refused: Rejected) -> bool:
+        """`ticket` was refused for a cap of its own, not for the engines' capacity: its
+        tenant's quota, or an objective it tightened itself (`x-kneegate-ttft-ms`)."""
+        reason = refused.reason
+        return reason is RejectReason.TENANT_QUOTA or (
+            reason is RejectReason.OVER_OBJECTIVE
+            and ticket.ttft_objective < self.classes[ticket.cls].ttft_objective)
+
+    def _usable(self) -> bool:
+        return any(u.usable for u in self.upstreams)
+
+    def _arrived(self, ticket: Ticket) -> None:
+        """Every usable upstream hears of a generation request as it arrives, queued or
+        shed: under overload the queue delays admissions by seconds, and the shed are most
+        of what tells a change in the mix early (its size is read from the content, so no
+        padding moves it)."""
         for u in self.upstreams:
             if u.usable:
-                usable = True
                 try:  # `_call`, inline: this runs on every request
                     u.controller.on_arrival(ticket.tokens)
                 except Exception as exc:
                     self._failed(u, "on_arrival", exc)
+
+    def _pass(self, ticket: Ticket, now: float) -> Admitted | Rejected:
+        """A request that is not generation (`GET /v1/models`, `/tokenize`, ...): sent at
+        once to the usable upstream with the fewest requests, room or not. It takes no slot
+        (`passing`, not `inflight`), and no controller, rate or demand hears of it."""
         if self.closed:
             return self.shutdown_rejection()
-        if not usable:
+        best: UpstreamState | None = None
+        for u in self.upstreams:
+            if u.usable and (best is None or u.inflight + u.passing < best.inflight + best.passing):
+                best = u
+        if best is None:
+            return no_upstream(self.retry_after_min)
+        best.passing += 1
+        ticket.upstream, ticket.dispatched_at = best, now
+        return Admitted(best)
+
+    def _decide(self, ticket: Ticket, now: float) -> Admitted | Queued | Rejected:
+        cls = ticket.cls
+        if self.closed:
+            return self.shutdown_rejection()
+        if not self._usable():
             return no_upstream(self.retry_after_min)
         if ticket.tenant.capped:
             quota = self._over_quota(ticket, now)
@@ -371,6 +418,9 @@ class AdmissionQueue:
         to its tenant are charged now."""
         up = ticket.upstream
         assert up is not None, "only a dispatched ticket can be released"
+        if not ticket.generation:
+            up.passing -= 1  # no slot, no evidence: nothing else to do
+            return []
         self._unplace(ticket, up)
         output = sample.output_tokens if sample is not None else None
         self._charge_tokens(ticket, (output or 0) - ticket.output_charged, now)
@@ -445,6 +495,9 @@ class AdmissionQueue:
         the engine saw it): its tenant is refunded. Dispatches nothing (`pump` does)."""
         up = ticket.upstream
         assert up is not None, "only a dispatched ticket has a slot to free"
+        if not ticket.generation:
+            up.passing -= 1
+            return
         self._unplace(ticket, up)
         self._queues[ticket.cls].refund(ticket)
 
@@ -581,12 +634,24 @@ class AdmissionQueue:
         may let a queued ticket go elsewhere only through another upstream's room."""
         old = ticket.upstream
         assert old is not None, "only a dispatched ticket can be rerouted"
+        if not ticket.generation:
+            return self._repass(ticket, old, now)
         best = least_full(self.upstreams, ticket.tokens, skip=old)
         if best is None:
             return None
         self._unplace(ticket, old)
         self._place(ticket, best, now)  # the same request: its tenant is not charged again
         return best
+
+    def _repass(self, ticket: Ticket, old: UpstreamState, now: float) -> UpstreamState | None:
+        """`reroute` for a request that is not generation: any other usable upstream."""
+        for u in self.upstreams:
+            if u is not old and u.usable:
+                old.passing -= 1
+                u.passing += 1
+                ticket.upstream, ticket.dispatched_at = u, now
+                return u
+        return None
 
     def requeue(self, ticket: Ticket, now: float) -> bool:
         """A dispatched ticket's engine refused it before starting it (vLLM's own valve,
@@ -599,7 +664,7 @@ class AdmissionQueue:
         Call `pump` after it."""
         up, policy = ticket.upstream, self.classes.get(ticket.cls)
         assert up is not None, "only a dispatched ticket can be requeued"
-        if policy is None or self.closed:
+        if policy is None or self.closed or not ticket.generation:
             return False
         due, deadline = self._due(ticket, policy, ticket.arrived_at)
         if now >= due:

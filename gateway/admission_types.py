@@ -73,6 +73,7 @@ class UpstreamState:
     inflight: int = 0
     usable: bool = True
     inflight_tokens: int = 0  # the in-flight requests' prompt-size estimates, summed
+    passing: int = 0  # requests that are not generation in flight here: no slot (`offer`)
     refusing: bool = False  # its engine refused a request unstarted: full until a slot frees
     prefilling: int = 0  # streamed requests dispatched here with no first token yet
     prefill_cap: int = 0  # at most this many of them (0: no cap)
@@ -153,6 +154,9 @@ class Ticket:
     arrived_at: float
     payload: Any = None
     tokens: int = 0  # the prompt's size estimate, for controllers with a token budget
+    # generation (a completion, chat, embedding, response): evidence about the engine's
+    # prompts, load and demand; anything else passes with no slot and tells nobody
+    generation: bool = True
     deadline: float = math.inf  # set when queued: leave the queue (503) by then
     due: float = math.inf  # set when queued: never dispatched from then (its objective)
     ttft_objective: float = math.inf  # the request's own objective (it can only tighten)

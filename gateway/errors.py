@@ -13,6 +13,8 @@
         │   └── TenantQuota        429 tenant_quota: the tenant is at its own cap
         ├── InvalidPath        400: '%2F', '%5C' or '\\' in the path (ambiguous)
         ├── InvalidHeader      400: a kneegate request header with a value it cannot use
+        ├── InvalidBody        400: a generation request whose body is not a JSON object
+        ├── ContextTooLong     400: surely longer than the engine's context (as vLLM answers)
         ├── NotFound           404: not a proxied path (never an open proxy)
         ├── MethodNotAllowed   405: a method the OpenAI API does not use (with Allow)
         ├── BodyTooLarge       413: over max_body_bytes (closes the connection)
@@ -44,8 +46,10 @@ from kneegate.gateway.types import Send
 __all__ = [
     "BodyTooLarge",
     "ConfigError",
+    "ContextTooLong",
     "HTTPError",
     "HeadersTooLarge",
+    "InvalidBody",
     "InvalidHeader",
     "InvalidPath",
     "KneegateError",
@@ -151,6 +155,14 @@ class InvalidHeader(HTTPError):
     def __init__(self, message: str, header: str) -> None:
         super().__init__(message)
         self.param = header
+
+
+class InvalidBody(HTTPError):
+    status, type, code = 400, "invalid_request_error", "invalid_body"
+
+
+class ContextTooLong(HTTPError):
+    status, type, code = 400, "invalid_request_error", "context_length_exceeded"
 
 
 class InvalidPath(HTTPError):

@@ -32,9 +32,9 @@ from kneegate.gateway.types import Scope
 
 __all__ = [
     "ALLOW", "FORWARDED_METHODS", "HOP_BY_HOP", "PROXIED_EXACT", "RESPONSE_DROP", "TTFT_HEADER",
-    "VALVE", "ProxySettings", "ReadResponse", "forward_headers", "forward_target", "is_sse",
-    "normalise_path", "parse_objective", "proxied_path", "remove_dot_segments", "small_body",
-    "wants_stream",
+    "VALVE", "ProxySettings", "ReadResponse", "content_length", "forward_headers",
+    "forward_target", "is_sse", "normalise_path", "parse_objective", "proxied_path",
+    "remove_dot_segments", "small_body",
 ]
 
 # The methods of the OpenAI API, and what a proxy forwards for them (HEAD, OPTIONS).
@@ -190,14 +190,15 @@ def forward_headers(
     return out, rid, s.classify(cls_value, auth, tenant), tenant, length, ttft
 
 
-_STREAM = re.compile(rb'"stream"\s*:\s*true')
+_LENGTH_DIGITS = 18  # more significant digits than this is over any body limit
 
 
-def wants_stream(body: bytes) -> bool:
-    """Whether an OpenAI request body asks for a streamed answer (`"stream": true`), by one
-    search of its bytes (nothing is JSON-parsed on the hot path). A prompt's text cannot
-    match: inside a JSON string its quotes are escaped (`\\"stream\\": true`)."""
-    return _STREAM.search(body) is not None
+def content_length(value: bytes) -> int:
+    """A Content-Length of digits (the parser checked them) as a number, without Python's
+    cost for long ones (leading zeros are allowed and skipped; past 18 significant digits
+    it is 10**18, over any limit)."""
+    digits = value.lstrip(b"0")
+    return int(digits) if len(digits) <= _LENGTH_DIGITS else 10 ** _LENGTH_DIGITS
 
 
 def parse_objective(value: bytes | None) -> float:

@@ -132,15 +132,17 @@ class Gate:
         return self.queue.depth(cls) + self.handing.get(cls, 0)
 
     async def acquire(self, cls: str, tokens: int = 0, objective: float = math.inf,
-                      tenant: TenantPolicy = ANONYMOUS, streamed: bool = False) -> Permit:
+                      tenant: TenantPolicy = ANONYMOUS, streamed: bool = False,
+                      generation: bool = True) -> Permit:
         """A permit now, a permit after waiting in the queue, or a Rejection raised.
         `tokens`: the prompt's size estimate, for controllers with a token budget;
         `objective`: the request's own TTFT objective, seconds (tightens its class's);
         `tenant`: whom it is for (fair shares within the class, the tenant's caps);
-        `streamed`: its answer streams, and `first_token` will be told of its first token."""
+        `streamed`: its answer streams, and `first_token` will be told of its first token;
+        `generation`: False for a request that is no evidence (it passes with no slot)."""
         now = self.clock()
         ticket = Ticket(cls, now, tokens=tokens, ttft_objective=objective, tenant=tenant,
-                        streamed=streamed)
+                        streamed=streamed, generation=generation)
         received = self._received.get(cls)
         if received is None:
             m = self.metrics

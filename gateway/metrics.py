@@ -67,6 +67,8 @@ CLIENT_REJECTIONS = (
     "header_timeout",  # 408 (or a silent close) after limits.header_timeout
     "body_timeout",  # 408: no body bytes for limits.body_timeout
     "body_too_large",  # 413: over max_body_bytes, by Content-Length or as it arrived
+    "invalid_body",  # 400: a generation request whose body is not a JSON object
+    "context_length",  # 400: surely longer than the engine's context (max_model_len)
     "connection_limit",  # 503: a request on a connection over limits.max_connections
 )
 
@@ -96,6 +98,7 @@ class LiveUpstream(Protocol):
     name: str
     inflight: int
     handing: int  # of `inflight`, slots whose caller has not resumed (counted as queued)
+    passing: int  # requests that are not generation in flight (no slot; not in `inflight`)
     usable: bool
     prefilling: int  # streamed requests in flight with no first token yet
     prefill_cap: int  # at most this many of them (0: no cap yet)
@@ -194,7 +197,7 @@ class _LiveCollector(Collector):
         for u in ups:
             knee = u.knee_estimate
             families["limit"].add_metric([u.name], u.limit)
-            families["in_flight"].add_metric([u.name], u.inflight - u.handing)
+            families["in_flight"].add_metric([u.name], u.inflight + u.passing - u.handing)
             families["usable"].add_metric([u.name], 1.0 if u.usable else 0.0)
             families["knee"].add_metric([u.name], math.nan if knee is None else knee)
             families["prefilling"].add_metric([u.name], u.prefilling)

@@ -18,6 +18,7 @@ engine rendered them somewhere between asking and answering), go to
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from kneegate.gateway.errors import UpstreamError, UpstreamTimeout
@@ -27,22 +28,45 @@ if TYPE_CHECKING:  # the pool imports this module: no import back at run time
     from kneegate.gateway.upstream_client import UpstreamClient
     from kneegate.gateway.upstreams import Upstream, UpstreamPool
 
-__all__ = ["PROBE_TIMEOUT", "probe", "scrape"]
+__all__ = ["PROBE_TIMEOUT", "probe", "read_models", "scrape"]
 
 PROBE_TIMEOUT = 2.0
 
 
 async def probe(pool: UpstreamPool, client: UpstreamClient, up: Upstream, now: float) -> None:
-    """Ask `up`'s `health_path` once; the pool takes the verdict."""
+    """Ask `up`'s `health_path` once, then, healthy and its models unknown, `/v1/models`;
+    the pool takes the verdicts."""
     assert up.config is not None
+    models: dict[str, int | None] | None = None
     try:
         status, _ = await client.get_text(up.url + up.config.health_path, PROBE_TIMEOUT)
         ok = 200 <= status < 300
+        if ok and up.models is None:
+            models = await read_models(client, up.url)
     except UpstreamError:
         ok = False
     finally:
         up.busy = False
-    pool.probed(up, ok, now)
+    pool.probed(up, ok, now, models)
+
+
+async def read_models(client: UpstreamClient, url: str) -> dict[str, int | None] | None:
+    """What `url`'s `/v1/models` lists: each model's id and `max_model_len` (vLLM lists
+    it; None where absent). {} for an answer that lists nothing readable (not an OpenAI
+    server, or one that wants a key); None when it failed (timeout, 5xx): ask again."""
+    try:
+        status, text = await client.get_text(url + "/v1/models", PROBE_TIMEOUT, 1 << 20)
+    except UpstreamError:
+        return None
+    if status >= 500:
+        return None
+    try:
+        data = json.loads(text)["data"] if status == 200 else []
+        cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    except (ValueError, KeyError, TypeError):
+        return {}
+    return {c["id"]: c.get("max_model_len") if type(c.get("max_model_len")) is int else None
+            for c in cards}
 
 
 async def scrape(pool: UpstreamPool, client: UpstreamClient, up: Upstream, started: float

@@ -43,7 +43,9 @@ from kneegate.gateway.access import AccessLog
 from kneegate.gateway.admission_types import TenantPolicy
 from kneegate.gateway.errors import (
     BodyTooLarge,
+    ContextTooLong,
     HTTPError,
+    InvalidBody,
     InvalidHeader,
     Rejection,
     ShuttingDown,
@@ -56,14 +58,15 @@ from kneegate.gateway.forwarding import (
     VALVE,
     ProxySettings,
     ReadResponse,
+    content_length,
     forward_headers,
     forward_target,
     is_sse,
     parse_objective,
     small_body,
-    wants_stream,
 )
 from kneegate.gateway.gate import Gate, Permit
+from kneegate.gateway.request_size import BadBody, RequestSize, over_context, read_request
 from kneegate.gateway.tap import Tap
 from kneegate.gateway.types import Clock, Receive, Scope, Send
 from kneegate.gateway.upstream_client import (
@@ -137,6 +140,12 @@ async def _watch(receive: Receive, ex: Exchange) -> None:
     ex.abort(Outcome.CLIENT_CANCELLED)
 
 
+def _refused_as_bad(resp: Response | None) -> bool:
+    """The engine answered 4xx (429 aside): the request's own fault, not evidence of the
+    engine's speed (a 400 for a prompt over the context comes back in milliseconds)."""
+    return resp is not None and 400 <= resp.status < 500 and resp.status != 429
+
+
 def _outcome_for_status(status: int) -> Outcome:
     if status in (429, 503):
         return Outcome.UPSTREAM_OVERLOADED
@@ -166,9 +175,9 @@ class Proxy:
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         try:
-            if length is not None and int(length) > s.max_body:
+            if length is not None and content_length(length) > s.max_body:
                 # said up front: answer before reading any of it
-                raise BodyTooLarge(f"request body of {int(length)} bytes exceeds "
+                raise BodyTooLarge(f"request body of {content_length(length)} bytes exceeds "
                                    f"{s.max_body} bytes; send a smaller request")
             body = await read_body(receive, s.max_body)
         except BodyTooLarge as exc:
@@ -177,6 +186,14 @@ class Proxy:
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
         if body is None:
+            return
+        try:
+            size = self._size(scope, body)
+        except (InvalidBody, ContextTooLong) as exc:
+            self.gate.metrics.count_client_rejection(
+                "invalid_body" if isinstance(exc, InvalidBody) else "context_length")
+            self.access.refused(rid, cls, exc, tenant.label)
+            await send_error(send, exc, [(b"x-request-id", rid)])
             return
         task = asyncio.current_task()
         assert task is not None
@@ -190,7 +207,8 @@ class Proxy:
         else:
             watcher = asyncio.create_task(_watch(receive, ex))
         try:
-            await self._serve(ex, scope, send, headers, body, rid, cls, writer, objective, tenant)
+            await self._serve(ex, scope, send, headers, body, rid, cls, writer, objective,
+                              tenant, size)
         except asyncio.CancelledError:
             if ex.aborted is None:
                 raise
@@ -203,6 +221,24 @@ class Proxy:
                 watcher.cancel()
             elif writer is not None:
                 writer.on_disconnect = None
+
+    def _size(self, scope: Scope, body: bytes) -> RequestSize:
+        """What the request asks (gateway/request_size.py). Raises InvalidBody for a
+        generation request that is not a JSON object, ContextTooLong for one that surely
+        cannot fit its model's context: answered at once, never queued, as vLLM would."""
+        path: bytes = scope.get("raw_path") or scope["path"].encode()
+        try:
+            size = read_request(scope["method"], path, body)
+        except BadBody as exc:
+            raise InvalidBody(str(exc)) from None
+        if size.generation:
+            context = self.pool.context(size.model)
+            why = None if context is None else over_context(size, context)
+            if why is not None:
+                long = ContextTooLong(why)
+                long.param = "messages" if path == b"/v1/chat/completions" else "prompt"
+                raise long
+        return size
 
     def _abort_error(self, ex: Exchange, s: ProxySettings) -> HTTPError | None:
         # what the client hears of an abort before the response started (if still there)
@@ -236,18 +272,15 @@ class Proxy:
     async def _serve(
         self, ex: Exchange, scope: Scope, send: Send, headers: list[tuple[bytes, bytes]],
         body: bytes, rid: bytes, cls: str, writer: BodyWriter | None, objective: float,
-        tenant: TenantPolicy,
+        tenant: TenantPolicy, size: RequestSize,
     ) -> None:
-        # A leading signal of the KV footprint: about 4 bytes a token (JSON overhead is a
-        # constant factor: controllers use ratios of sizes, or put estimates into tokens by
-        # the ratio of finished prompts' token counts to them). Every upstream that may
-        # serve the request hears of it as it arrives, queued or shed included (under
-        # overload the queue delays admissions by seconds); the one it is dispatched to,
-        # again at admission (the admission queue tells them). Admission weighs it against a
-        # controller's token budget.
-        size = len(body) // 4
+        # The prompt's size in tokens, read from its content: a leading signal of the KV
+        # footprint (controllers learn the engine's tokens per estimate from finished
+        # prompts), weighed against a controller's token budget. A request that is not
+        # generation passes with no slot and is no evidence (gateway/admission.py).
         try:
-            permit = await self.gate.acquire(cls, size, objective, tenant, wants_stream(body))
+            permit = await self.gate.acquire(cls, size.prompt, objective, tenant, size.stream,
+                                             size.generation)
         except Rejection as exc:
             self.access.refused(rid, cls, exc, tenant.label)
             await send_error(send, exc, [(b"x-request-id", rid)])
@@ -279,8 +312,8 @@ class Proxy:
                 outcome = ex.aborted
             if not permit.done:  # done: requeued by `retry_refused` and counted there
                 sample = None
-                try:  # a connect failure says nothing of latency
-                    if error is None or not error.unreached:
+                try:  # a connect failure, or the client's own error, says nothing of latency
+                    if (error is None or not error.unreached) and not _refused_as_bad(resp):
                         sample = self._sample(permit, outcome, tap)
                 finally:  # even a sample that cannot be made must not keep the slot
                     permit.finish(outcome, sample)

@@ -48,6 +48,11 @@ that does not answer within `stale_after` (default 3 intervals) is abandoned, an
 figures go to the controller (`on_engine_stats`). The probes and scrapes themselves, the
 pool's only I/O, are gateway/probe.py's; this module keeps the state they report to.
 
+Models: a healthy upstream's `/v1/models` is read at first contact and again after it
+failed (a replaced engine may serve others), with the probes' back-off while it does not
+answer; `context(model)` is the longest `max_model_len` listed for a model, what the proxy
+refuses a request against before queueing it (gateway/request_size.py).
+
 A reload that removes an upstream keeps it *draining*: its in-flight requests finish
 against it and it leaves the pool when the last one does.
 """
@@ -103,6 +108,9 @@ class Upstream(UpstreamState):
     idle_at: float = -math.inf  # the last tick at which it had nothing in flight
     scrape_failures: int = 0  # scrapes in a row that timed out or failed
     frozen: bool = False  # failing scrapes and silent requests: see the module docstring
+    # model id -> its context (`max_model_len`; None: not listed), from `/v1/models` at
+    # first contact and on recovery; None until read
+    models: dict[str, int | None] | None = None
 
     @property
     def knee_estimate(self) -> float | None:
@@ -196,6 +204,8 @@ class UpstreamPool:
     ) -> None:
         self.active: list[Upstream] = [_build(c) for c in configs]
         self.draining: list[Upstream] = []
+        self._by_model: dict[str, int] = {}  # model -> its longest context (`context`)
+        self._single: int | None = None
         self.clock = clock
         self.count_scrape: ScrapeCounter = count_scrape or (lambda name, outcome: None)
         # the admission queue's `engine_stats` (guarded, as every controller call); direct
@@ -228,10 +238,30 @@ class UpstreamPool:
             new.append(up)
         self.draining.extend(u for u in old.values() if u.inflight > 0)
         self.active = new
+        self._contexts()
         return new
 
+    def context(self, model: str | None) -> int | None:
+        """The longest context (`max_model_len`) any upstream lists for `model` (None
+        naming none: the only model, where all list one); None when unknown."""
+        if model is None:
+            return self._single
+        return self._by_model.get(model)
+
+    def _contexts(self) -> None:
+        by_model: dict[str, int] = {}
+        for u in self.active:
+            for model, length in (u.models or {}).items():
+                if length is not None:
+                    by_model[model] = max(length, by_model.get(model, 0))
+        self._by_model = by_model
+        lengths = set(by_model.values())
+        self._single = lengths.pop() if len(lengths) == 1 else None
+
     def mark_failed(self, up: Upstream, now: float, why: str = "connect failed") -> None:
-        """A connect to `up` failed (refused or timed out): unusable until a probe answers."""
+        """A connect to `up` failed (refused or timed out): unusable until a probe answers
+        (which reads its models again: a replaced engine may serve others)."""
+        up.models = None
         if up.healthy:
             log.warning("upstream %s unusable: %s; probing %s", up.name, why, up.url)
             up.backoff = _BACKOFF_MIN
@@ -246,7 +276,8 @@ class UpstreamPool:
             self._judge_silence(up, now)
             if up.busy or up.config is None:
                 continue
-            if (not up.healthy or not up.confirmed) and now >= up.next_probe_at:
+            if (not up.healthy or not up.confirmed or up.models is None
+                    ) and now >= up.next_probe_at:
                 up.busy = True
                 tasks.append(asyncio.create_task(probe(self, client, up, now)))
             elif up.healthy and up.scraping is not False and now >= up.next_scrape_at:
@@ -280,9 +311,17 @@ class UpstreamPool:
             up.frozen = True
             up.refresh_usable()
 
-    def probed(self, up: Upstream, ok: bool, now: float) -> None:
-        """A health probe's verdict: a 2xx (`ok`) makes `up` healthy, else it backs off."""
+    def probed(self, up: Upstream, ok: bool, now: float,
+               models: dict[str, int | None] | None = None) -> None:
+        """A health probe's verdict: a 2xx (`ok`) makes `up` healthy, else it backs off;
+        and, when they were asked for, the models it serves (None: ask again, backing off)."""
         assert up.config is not None
+        if models is not None:
+            up.models = models
+            self._contexts()
+        elif ok and up.models is None:
+            up.next_probe_at = now + up.backoff
+            up.backoff = min(_BACKOFF_MAX, up.backoff * 2)
         if ok:
             if not up.healthy:
                 log.warning("upstream %s healthy again%s", up.name,

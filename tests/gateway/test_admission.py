@@ -270,6 +270,32 @@ def test_a_request_may_tighten_its_objective() -> None:
     assert loose == Queued(0)
 
 
+def test_demand_counts_what_the_engines_could_have_served_and_nothing_a_client_chose() -> None:
+    ups = pool(1)
+    q = AdmissionQueue(ups, OBJ, max_queue=64)
+    now = warm_rate(q, 4.0)
+    arrivals = q.demand._arrivals
+
+    def counted(ticket: Ticket) -> float:
+        before = q.demand._arrivals
+        q.offer(ticket, now)
+        return q.demand._arrivals - before
+
+    assert counted(Ticket("chat", now)) == 1  # admitted
+    assert counted(Ticket("chat", now)) == 1  # queued
+    assert counted(Ticket("chat", now, ttft_objective=0.2)) == 0  # its own objective refused it
+    assert counted(Ticket("chat", now, generation=False)) == 0  # passes, no slot
+    assert counted(Ticket("chat", now, generation=False)) == 0
+    assert (ups[0].inflight, ups[0].passing, q.flying) == (1, 2, 1)
+    offered = 2
+    for _ in range(20):  # until the class's own objective refuses: capacity, counted
+        offered += 1
+        if isinstance(refused := q.offer(Ticket("chat", now), now), Rejected):
+            break
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
+    assert q.demand._arrivals == arrivals + offered
+
+
 def test_a_burst_onto_a_fresh_gateway_is_queued() -> None:
     ups = pool(1)
     q = AdmissionQueue(ups, OBJ, max_queue=64)

@@ -1,8 +1,9 @@
 """The gateway tells controllers each request's prompt-size estimate: at arrival and admission.
 
-`on_arrival` goes to every usable upstream's controller as the request arrives (a shed one
-too); `on_admit` to the controller of the upstream it is dispatched to. Both get
-len(body) // 4, JSON included.
+`on_arrival` goes to every usable upstream's controller as a generation request arrives (a
+shed one too); `on_admit` to the controller of the upstream it is dispatched
+to. Both get the prompt's tokens read from its content (gateway/request_size.py: a text
+prompt is ceil(bytes / 4)), whatever else the body holds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.anyio
 
 SMALL = json.dumps({"prompt": "x" * 40, "max_tokens": 3}).encode()
 LARGE = json.dumps({"prompt": "x" * 4000, "max_tokens": 3}).encode()
+PADDED = SMALL[:-1] + b" " * 40_000 + b', "user": "' + b"u" * 4000 + b'"}'  # SMALL's prompt
 JSON = {"content-type": "application/json"}
 
 
@@ -28,7 +30,7 @@ def _upstream(name: str, url: str) -> dict[str, object]:
     return {"name": name, "url": url, "controller": "fixed", "params": {"initial": 1}}
 
 
-async def test_controller_sees_on_admit_with_the_body_size_estimate() -> None:
+async def test_controller_sees_on_admit_with_the_prompt_size_padding_aside() -> None:
     engine = FakeEngine(interval=0.002)
     async with serve(engine) as up:
         app = build_app(gw_config(up, limit=4))
@@ -36,11 +38,12 @@ async def test_controller_sees_on_admit_with_the_body_size_estimate() -> None:
         ctl = app.gateway.pool.active[0].controller
         ctl.on_admit = seen.append  # type: ignore[method-assign]
         async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
-            for body in (SMALL, LARGE):
+            for body in (SMALL, LARGE, PADDED):
                 r = await client.post(gw + "/v1/completions", content=body, headers=JSON)
                 assert r.status_code == 200
-        # one call per admitted request, before its answer
-        assert seen == [len(SMALL) // 4, len(LARGE) // 4]
+        # one call per admitted request, before its answer; whitespace and unknown fields
+        # count nothing
+        assert seen == [10, 1000, 10]
 
 
 async def test_every_usable_upstream_hears_each_arrival_shed_ones_included() -> None:
@@ -65,10 +68,9 @@ async def test_every_usable_upstream_hears_each_arrival_shed_ones_included() -> 
             shed = await client.post(gw + "/v1/completions", content=SMALL, headers=JSON)
             assert shed.status_code == 429
             assert [r.status_code for r in await asyncio.gather(*first)] == [200, 200]
-    size = len(body) // 4
     for name in ("e0", "e1"):
-        assert sorted(arrivals[name]) == sorted([size, size, len(SMALL) // 4]), name
-    assert admits == [size, size]  # the shed request was never admitted
+        assert sorted(arrivals[name]) == [10, 100, 100], name
+    assert admits == [100, 100]  # the shed request was never admitted
 
 
 async def test_a_request_over_the_token_budget_waits_for_room() -> None:
@@ -78,7 +80,7 @@ async def test_a_request_over_the_token_budget_waits_for_room() -> None:
         state = app.gateway.pool.active[0]
         large = json.dumps({"prompt": "z" * 4000, "max_tokens": 20, "stream": True}).encode()
         later = json.dumps({"prompt": "z" * 4000, "max_tokens": 2, "stream": True}).encode()
-        budget = len(large) // 4 + len(SMALL) // 4  # one large and one small at a time
+        budget = 1000 + 10  # one large and one small at a time
         asked: list[tuple[int, int, int]] = []
 
         def fits(inflight: int, inflight_tokens: int, tokens: int) -> bool:
@@ -103,8 +105,7 @@ async def test_a_request_over_the_token_budget_waits_for_room() -> None:
                     await anyio.sleep(0.01)
             assert engine.running == 1
             status = (await client.get(gw + "/kneegate/status")).json()["upstreams"][0]
-            assert (status["in_flight"], status["in_flight_tokens"]) == (1, len(large) // 4)
+            assert (status["in_flight"], status["in_flight_tokens"]) == (1, 1000)
             assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
-    size = len(large) // 4
-    assert (1, size, len(SMALL) // 4) in asked and (1, size, len(later) // 4) in asked
+    assert (1, 1000, 10) in asked and (1, 1000, 1000) in asked
     assert (state.inflight, state.inflight_tokens) == (0, 0)  # every release gave its share

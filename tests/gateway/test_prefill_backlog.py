@@ -5,7 +5,6 @@ counted. The cap's arithmetic is in test_admission.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import anyio
 import httpx
@@ -13,19 +12,6 @@ import pytest
 from helpers.gateway import FakeEngine, gw_config, scrape, serve, total
 
 from kneegate.gateway.app import build_app
-from kneegate.gateway.forwarding import wants_stream
-
-
-@pytest.mark.parametrize(("body", "streams"), [
-    ({"stream": True}, True),
-    ({"model": "m", "stream": False}, False),
-    ({"prompt": 'say "stream": true', "stream_options": {"include_usage": True}}, False),
-    ({}, False),
-])
-def test_a_body_asks_for_a_stream_only_by_its_own_key(body: dict[str, object],
-                                                      streams: bool) -> None:
-    assert wants_stream(json.dumps(body).encode()) is streams
-    assert wants_stream(json.dumps(body, separators=(",", ":")).encode()) is streams
 
 
 async def gauges(client: httpx.AsyncClient, gw: str) -> tuple[float, float]:

@@ -3,8 +3,8 @@
     async with faulty_upstream("reset_mid_body") as up:
         ...  # a gateway in front of up.url
 
-`/health` and `/metrics` are always answered correctly (the gateway probes and scrapes
-them); every other path gets the mode's fault. Normal answers are JSON bodies
+`/health`, `/metrics` and `/v1/models` are always answered correctly (the gateway probes,
+scrapes and reads them); every other path gets the mode's fault. Normal answers are JSON bodies
 `{"n": <request number>}` on a keep-alive connection, so a test can tell whose answer a
 client got. Modes:
 
@@ -48,6 +48,8 @@ MODES = (
 )
 HUGE = 2 << 20  # bytes of header block sent by `huge_headers`
 METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+MODELS = b'{"object": "list", "data": [{"id": "m", "max_model_len": 4096}]}'
+_WELL = {"/health": b"{}", "/metrics": METRICS, "/v1/models": MODELS}  # answered right
 
 
 def _response(body: bytes, status: bytes = b"200 OK", ctype: bytes = b"application/json",
@@ -114,8 +116,8 @@ class FaultyUpstream:
                 path = await _read_request(reader)
                 if self.mode == "freezable" and not self.thawed.is_set():
                     await self.thawed.wait()
-                if path in ("/health", "/metrics"):
-                    writer.write(_response(b"{}" if path == "/health" else METRICS))
+                if path in _WELL:
+                    writer.write(_response(_WELL[path]))
                     await writer.drain()
                     continue
                 self.requests += 1

@@ -85,12 +85,15 @@ async def read_request_body(receive: Any) -> bytes:
 class FakeEngine:
     """A tiny OpenAI-ish engine: SSE completions with a delay per event, counts what it saw.
 
-    Tests set `interval` (seconds per event) and `first_delay` (before the first event),
+    Tests set `interval` (seconds per event), `first_delay` (before the first event) and
+    `max_model_len` (what `GET /v1/models` lists, uncounted),
     read `running`, `max_running`, `aborts`, `requests`, and `last_headers`/`last_body`.
     """
 
-    def __init__(self, interval: float = 0.0, first_delay: float = 0.0) -> None:
+    def __init__(self, interval: float = 0.0, first_delay: float = 0.0,
+                 max_model_len: int | None = None) -> None:
         self.interval, self.first_delay = interval, first_delay
+        self.max_model_len = max_model_len  # listed by GET /v1/models (not counted)
         self.running = self.max_running = self.aborts = self.requests = 0
         self.last_headers: dict[str, str] = {}
         self.last_body = b""
@@ -105,6 +108,10 @@ class FakeEngine:
         path = scope["path"]
         if path == "/health":
             await reply(send, 200, b"{}")
+            return
+        if path == "/v1/models":
+            card = {"id": "fake", "object": "model", "max_model_len": self.max_model_len}
+            await reply(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
             return
         if path == "/metrics":
             text = (f"vllm:num_requests_running {self.running}\n"
