@@ -101,6 +101,10 @@ class EngineStats:
     preemptions_total: float  # monotonic counter
     generation_tokens_total: float = math.nan  # monotonic counter, NaN when unknown
     kv_capacity_tokens: float = math.nan  # the KV cache's size in tokens, NaN when unknown
+    # vLLM's request_queue_time_seconds histogram: seconds its requests spent waiting in
+    # its own queue, summed, and how many left it (monotonic; NaN when not exposed)
+    queue_time_sum: float = math.nan
+    queue_time_count: float = math.nan
 
 
 def is_distress(prev: EngineStats | None, cur: EngineStats) -> bool:

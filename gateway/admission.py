@@ -476,7 +476,7 @@ class AdmissionQueue:
         start: the engine's own queue standing is saturation)."""
         self._call(upstream, "on_engine_stats", stats)
         if upstream.slow_start is not None:
-            upstream.slow_start.engine_stats(stats, upstream.inflight)
+            upstream.slow_start.engine_stats(stats, upstream.inflight, self._slow_start_ttft)
 
     def _call(self, up: UpstreamState, hook: str, *args: object) -> None:
         try:

@@ -24,13 +24,14 @@ is built anew):
     a first token later than the tightest class's objective after dispatch (the engine
         alone already misses it)
     preemptions between two scrapes of the engine (its KV cache ran out), or its own queue
-        standing between two scrapes (`is_distress`)
+        holding requests half the objective on average (`saturated`)
     the engine refusing a request unstarted (vLLM's queue caps, `AdmissionQueue.requeue`)
     an answer of `upstream_overloaded`
 
-Known limit: a burst of prefills also queues in the engine for a step or two, and
-`is_distress` reads that as saturation, so a burst larger than the engine prefills at once
-can close the slow start early (the experiment above).
+An engine that does not report its queue time (older vLLM, other servers) is judged by its
+waiting gauge standing between two scrapes (`is_distress`): a burst of prefills also queues
+there for a step or two, so a burst larger than the engine prefills at once can close the
+slow start early.
 
 Closed, the upstream's limit is its controller's again; what is in flight past it drains as
 answers end. While any usable upstream's slow start is open, the queue refuses nothing for
@@ -40,12 +41,13 @@ controller that is not adaptive (`fixed`: the operator's number) gets no slow st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 from kneegate.controllers.base import EngineStats, is_distress
 
-__all__ = ["SlowStart"]
+__all__ = ["SlowStart", "saturated"]
 
 
 @dataclass(slots=True)
@@ -88,11 +90,11 @@ class SlowStart:
         if self.open and inflight >= limit - 1:
             self.allowance = min(self.REACH * self._base, limit + 1)
 
-    def engine_stats(self, stats: EngineStats, inflight: int) -> bool:
-        """A scrape of the engine: preemptions since the last one, or its own queue standing
-        (`is_distress`), end the slow start. True when this call ended it."""
+    def engine_stats(self, stats: EngineStats, inflight: int, threshold: float) -> bool:
+        """A scrape of the engine: saturation since the last one (`saturated`) ends the
+        slow start. True when this call ended it."""
         prev, self._last_stats = self._last_stats, stats
-        return is_distress(prev, stats) and self.end(inflight)
+        return prev is not None and saturated(prev, stats, threshold) and self.end(inflight)
 
     def end(self, inflight: int) -> bool:
         """Saturation was seen at `inflight` in flight: close (True), unless closed already."""
@@ -100,3 +102,21 @@ class SlowStart:
             return False
         self.open, self.ended_at_level = False, inflight
         return True
+
+
+def saturated(prev: EngineStats, cur: EngineStats, threshold: float) -> bool:
+    """Whether two scrapes show the engine saturated, for a first token due within
+    `threshold` s: preemptions between them (its KV cache ran out); or, where the engine
+    reports how long requests waited in its own queue (vLLM's request_queue_time_seconds),
+    those that left it meanwhile waited threshold / 2 on average, or none left it while
+    some waited at both scrapes. Without those counters, its queue standing and not
+    draining (`is_distress`). A burst's prefills wait a step or two in the engine's queue,
+    which the counters tell from a queue that stands; the waiting gauge alone cannot."""
+    if cur.preemptions_total > prev.preemptions_total:
+        return True
+    left = cur.queue_time_count - prev.queue_time_count
+    if math.isnan(left):
+        return is_distress(prev, cur)
+    if left > 0:
+        return (cur.queue_time_sum - prev.queue_time_sum) / left > threshold / 2
+    return cur.waiting > 0 and prev.waiting > 0

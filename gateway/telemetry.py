@@ -8,6 +8,7 @@ any other labels (one vLLM process may serve several engine cores):
     kv usage      vllm:kv_cache_usage_perc      <- vllm:gpu_cache_usage_perc (before V1)
     preemptions   vllm:num_preemptions_total    <- vllm:num_preemptions
     generated     vllm:generation_tokens_total
+    queue time    vllm:request_queue_time_seconds (its _sum and _count)
     KV capacity   vllm:cache_config_info{num_gpu_blocks, block_size}: blocks x block size, in
                   tokens (an info gauge whose labels carry the engine's CacheConfig)
 
@@ -48,6 +49,7 @@ _NAMES: dict[str, tuple[str, ...]] = {
 # as unknown for the rest: a counter that reads 0 forever would look like a stalled engine.
 _ZERO_WHEN_EMPTY = ("running", "waiting")
 _CACHE_CONFIG = "vllm:cache_config_info"  # vLLM's TYPE line says gauge: the name stays whole
+_QUEUE_TIME = "vllm:request_queue_time_seconds"  # a histogram: its _sum and _count
 
 
 def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
@@ -57,6 +59,10 @@ def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
     for family in text_string_to_metric_families(text):
         if family.name == _CACHE_CONFIG:
             capacity = _kv_capacity(family.samples)
+            continue
+        if family.name == _QUEUE_TIME:
+            for suffix in ("_sum", "_count"):
+                sums["queue_time" + suffix] = sum(_values(family.samples, family.name + suffix))
             continue
         name = family.name.removesuffix("_total")
         for field_name, names in _NAMES.items():
@@ -76,6 +82,8 @@ def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
         preemptions_total=sums.get("preemptions_total", math.nan),
         generation_tokens_total=sums.get("generation_tokens_total", math.nan),
         kv_capacity_tokens=capacity,
+        queue_time_sum=sums.get("queue_time_sum", math.nan),
+        queue_time_count=sums.get("queue_time_count", math.nan),
     )
 
 

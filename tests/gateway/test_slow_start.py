@@ -15,7 +15,7 @@ from kneegate.gateway.admission_types import (
     Ticket,
     UpstreamState,
 )
-from kneegate.gateway.slow_start import SlowStart
+from kneegate.gateway.slow_start import SlowStart, saturated
 
 CLASSES = {"default": ClassPolicy("default", max_wait=30.0, ttft_objective=2.0)}
 
@@ -45,13 +45,34 @@ def test_saturation_closes_it_for_good() -> None:
     assert not late.first_token(0.1, 2.0, inflight=4, controller_limit=4)
     assert late.limit(4) == 4
     preempted = SlowStart(allowance=12)
-    assert not preempted.engine_stats(stats(3), inflight=12)  # the first scrape: no delta
-    assert preempted.engine_stats(stats(5), inflight=12)
+    assert not preempted.engine_stats(stats(3), 12, 2.0)  # the first scrape: no delta
+    assert preempted.engine_stats(stats(5), 12, 2.0)
     assert not preempted.open
     queued = SlowStart(allowance=12)
-    assert not queued.engine_stats(stats(3), inflight=12)  # one reading of a queue
-    assert queued.engine_stats(stats(3), inflight=12)  # standing: saturation
+    assert not queued.engine_stats(stats(3), 12, 2.0)  # one reading of a queue
+    assert queued.engine_stats(stats(3), 12, 2.0)  # standing: saturation
     assert not queued.open
+
+
+def timed(waiting: float, waited: float, left: float) -> EngineStats:
+    """A scrape of an engine that reports its queue time: `left` requests have left its
+    queue, having waited `waited` s in all."""
+    return EngineStats(at=0.0, running=8, waiting=waiting, kv_cache_usage=0.5,
+                       preemptions_total=0, queue_time_sum=waited, queue_time_count=left)
+
+
+def test_an_engine_that_reports_its_queue_time_is_saturated_only_by_long_waits() -> None:
+    # a burst: requests wait at every scrape, but briefly (0.2 s on average): not saturation
+    assert not saturated(timed(30, 0.0, 0), timed(30, 6.0, 30), 2.0)
+    assert not saturated(timed(30, 6.0, 30), timed(20, 10.0, 50), 2.0)
+    # waits of half the objective on average, or a queue nobody left: saturation
+    assert saturated(timed(30, 6.0, 30), timed(30, 18.0, 40), 2.0)  # 1.2 s each
+    assert saturated(timed(5, 6.0, 30), timed(5, 6.0, 30), 2.0)
+    assert not saturated(timed(0, 6.0, 30), timed(0, 6.0, 30), 2.0)  # idle
+    ss = SlowStart(allowance=12)
+    for s in (timed(30, 0.0, 0), timed(30, 6.0, 30), timed(20, 10.0, 50)):
+        assert not ss.engine_stats(s, 12, 2.0)
+    assert ss.open and ss.engine_stats(timed(20, 40.0, 70), 12, 2.0)  # 1.5 s each
 
 
 def queue(controller: str = "aimd") -> tuple[AdmissionQueue, UpstreamState]:
