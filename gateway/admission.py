@@ -554,6 +554,7 @@ class AdmissionQueue:
                 if head.due <= now or (standing and now - head.arrived_at > target):
                     q.remove(head)
                     self._late.append(head)
+                    self._stood()
                     head = q.head()
                     continue
                 up = least_full(self.upstreams, head.tokens)
@@ -585,7 +586,21 @@ class AdmissionQueue:
         for q in self._queues.values():
             if any(t.deadline <= now for t in q):
                 out.extend(q.remove_if(lambda t: t.deadline <= now))
+                self._stood()
         return out
+
+    def _stood(self) -> None:
+        """A queued request waited past its objective (or its class's wait cap): a slow
+        start judged by the engine's queue time (`SlowStart.timed`) ends there. Those
+        counters tell a burst from saturation, so an engine that holds everything it is
+        sent in time may never show saturation itself; without this the queue's predictions
+        stay off for good, and under sustained overload every request past the allowance
+        waits to its due before it is answered. (Judged by the waiting gauge, the engine
+        shows a standing queue first.)"""
+        for u in self.upstreams:
+            ss = u.slow_start
+            if ss is not None and ss.open and ss.timed:
+                ss.end(u.inflight)
 
     def fairness(self) -> dict[str, float | None]:
         """Each class's Jain's index since the last call (`FairQueue.jain`); None where

@@ -26,6 +26,8 @@ is built anew):
     preemptions between two scrapes of the engine (its KV cache ran out), or its own queue
         holding requests half the objective on average (`saturated`)
     the engine refusing a request unstarted (vLLM's queue caps, `AdmissionQueue.requeue`)
+    for an engine judged by its queue time, a request queued at the gateway past its
+        objective (`AdmissionQueue._stood`)
     an answer of `upstream_overloaded`
 
 An engine that does not report its queue time (older vLLM, other servers) is judged by its
@@ -61,6 +63,12 @@ class SlowStart:
     _base: int = 0  # the controller's limit when the slow start first counted
     ended_at_level: int | None = None  # the in-flight count that showed saturation
     _last_stats: EngineStats | None = None
+
+    @property
+    def timed(self) -> bool:
+        """The engine reports how long requests wait in its own queue (`saturated`)."""
+        last = self._last_stats
+        return last is not None and not math.isnan(last.queue_time_count)
 
     def limit(self, controller_limit: int) -> int:
         """The in-flight count the upstream may hold now."""

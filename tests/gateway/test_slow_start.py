@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from helpers.controllers import make_sample
 
 from kneegate.controllers.base import EngineStats, Outcome
@@ -120,6 +123,20 @@ def test_once_saturated_the_limit_is_the_controllers_and_the_queue_may_refuse() 
         q.note_completion(10.0 + i)
     refused = q.offer(Ticket("default", 50.0, streamed=True), 50.0)
     assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
+
+
+@pytest.mark.parametrize("reports_queue_time", [True, False])
+def test_a_request_queued_past_its_objective_ends_a_slow_start_judged_by_queue_time(
+        reports_queue_time: bool) -> None:
+    q, up = queue()
+    for at, waited, left in ((0.0, 0.0, 0), (1.0, 0.1, 1)):  # an engine that is not saturated
+        scrape = timed(0, waited, left) if reports_queue_time else stats(0)
+        q.engine_stats(up, dataclasses.replace(scrape, at=at, waiting=0))
+    burst(q, 10, 0.0)  # 4 in flight, no first token: 6 wait until they are due
+    _, expired = q.tick(2.1)
+    assert expired  # the heads' objective passed while they waited at the gateway
+    assert up.slow_start is not None and up.slow_start.open is not reports_queue_time
+    # (judged by the waiting gauge, the engine's own queue shows saturation first)
 
 
 def test_an_overloaded_answer_is_saturation() -> None:
