@@ -232,7 +232,7 @@ class Gateway:
         self.metrics.set_objectives(_objectives(new))
         self.queue.demand.half_life = new.scale.half_life
         self.client.set_connect_timeout(new.timeouts.connect)
-        self.proxy.settings = ProxySettings.from_config(new)
+        self.proxy.settings = ProxySettings.from_config(new, self.proxy.settings)
         self.config = new
         self.gate.pump()
 

@@ -71,6 +71,10 @@ class GatewayConfig(Frozen):
         default_factory=dict, description="named tenants by name: keys, weight, class, caps")
     tenant_header: str | None = Field(
         None, description="request header naming a tenant when no configured key does")
+    tenant_key_salt: str | None = Field(
+        None, min_length=16, description="secret mixed into the hashes that name unlisted "
+        "keys' tenants (key-...); set it alike on every gateway of a deployment so that they "
+        "name a key alike. Unset: a random one per process")
     max_queue: int = Field(256, ge=0, description="queued requests, all classes together")
     max_body_bytes: int = Field(8 << 20, ge=1, description="larger request bodies get 413")
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)

@@ -54,6 +54,9 @@ class TenantConfig(Frozen):
         None, ge=1, description="its requests queued or in flight, at most; more: 429")
     tokens_per_minute: float | None = Field(
         None, gt=0, description="prompt and output tokens a minute, at most; more: 429")
+    by_header: bool = Field(
+        False, description="the `tenant_header` may name it (else only its keys do: any "
+        "client can send a header)")
 
 
 class LimitsConfig(Frozen):

@@ -31,7 +31,8 @@ from kneegate.gateway.tenants import Tenants
 from kneegate.gateway.types import Scope
 
 __all__ = [
-    "ALLOW", "FORWARDED_METHODS", "HOP_BY_HOP", "PROXIED_EXACT", "RESPONSE_DROP", "TTFT_HEADER",
+    "ALLOW", "FORWARDED_METHODS", "HOP_BY_HOP", "PROXIED_EXACT", "REQUEST_ID_MAX", "RESPONSE_DROP",
+    "TTFT_HEADER",
     "VALVE", "ProxySettings", "ReadResponse", "content_length", "forward_headers",
     "forward_target", "is_sse", "normalise_path", "parse_objective", "proxied_path",
     "remove_dot_segments", "small_body",
@@ -53,6 +54,7 @@ HOP_BY_HOP = frozenset({
 RESPONSE_DROP = HOP_BY_HOP - {b"content-length"}
 
 TTFT_HEADER = b"x-kneegate-ttft-ms"
+REQUEST_ID_MAX = 200  # bytes of X-Request-Id kept, logged and forwarded; longer: 400
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,8 @@ class ProxySettings:
     tenants: Tenants
 
     @classmethod
-    def from_config(cls, cfg: GatewayConfig) -> ProxySettings:
+    def from_config(cls, cfg: GatewayConfig, previous: ProxySettings | None = None
+                    ) -> ProxySettings:
         return cls(
             max_body=cfg.max_body_bytes,
             class_header=cfg.class_header.lower().encode("latin-1"),
@@ -78,7 +81,7 @@ class ProxySettings:
             default_class=cfg.default_class,
             first_byte=cfg.timeouts.first_byte,
             idle=cfg.timeouts.idle,
-            tenants=Tenants.from_config(cfg),
+            tenants=Tenants.from_config(cfg, previous.tenants if previous else None),
         )
 
     def classify(self, header: bytes | None, auth: bytes | None,
@@ -154,7 +157,9 @@ def forward_headers(
     scope: Scope, s: ProxySettings
 ) -> tuple[list[tuple[bytes, bytes]], bytes, str, TenantPolicy, bytes | None, bytes | None]:
     """Headers for the engine, the request id, the class, the tenant, the Content-Length
-    and the request's own TTFT objective (`x-kneegate-ttft-ms`, ours: not forwarded)."""
+    and the request's own TTFT objective (`x-kneegate-ttft-ms`, ours: not forwarded).
+    Raises InvalidHeader for ambiguous credentials (two Authorization headers) and an
+    X-Request-Id over `REQUEST_ID_MAX` bytes."""
     out: list[tuple[bytes, bytes]] = []
     xff = rid = cls_value = auth = length = ttft = tenant_value = None
     tenant_header = s.tenants.header
@@ -170,10 +175,16 @@ def forward_headers(
             ttft = v
             continue
         if k == b"x-request-id":
+            if len(v) > REQUEST_ID_MAX:
+                raise InvalidHeader(f"x-request-id is longer than {REQUEST_ID_MAX} bytes",
+                                    "x-request-id")
             rid = v
         elif k == s.class_header:
             cls_value = v
         elif k == b"authorization":
+            if auth is not None:  # which one counts? vLLM reads the first, others the last
+                raise InvalidHeader("more than one Authorization header; send one",
+                                    "authorization")
             auth = v
         elif k == tenant_header:
             tenant_value = v

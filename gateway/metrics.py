@@ -67,6 +67,8 @@ CLIENT_REJECTIONS = (
     "header_timeout",  # 408 (or a silent close) after limits.header_timeout
     "body_timeout",  # 408: no body bytes for limits.body_timeout
     "body_too_large",  # 413: over max_body_bytes, by Content-Length or as it arrived
+    "invalid_header",  # 400: two Authorization headers, an X-Request-Id too long, or an
+    # x-kneegate-ttft-ms that is not a positive number
     "invalid_body",  # 400: a generation request whose body is not a JSON object
     "context_length",  # 400: surely longer than the engine's context (max_model_len)
     "connection_limit",  # 503: a request on a connection over limits.max_connections

@@ -167,10 +167,17 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         s = self.settings
-        headers, rid, cls, tenant, length, ttft_ms = forward_headers(scope, s)
+        try:
+            headers, rid, cls, tenant, length, ttft_ms = forward_headers(scope, s)
+        except InvalidHeader as exc:  # before admission: no request id of its own to echo
+            self.gate.metrics.count_client_rejection("invalid_header")
+            self.access.refused(b"-", s.default_class, exc, "-")
+            await send_error(send, exc)
+            return
         try:
             objective = parse_objective(ttft_ms)
         except InvalidHeader as exc:
+            self.gate.metrics.count_client_rejection("invalid_header")
             self.access.refused(rid, cls, exc, tenant.label)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return

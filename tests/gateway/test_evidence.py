@@ -110,3 +110,27 @@ async def test_a_content_length_with_thousands_of_leading_zeros_is_its_value() -
                 status = await reader.readline()
                 writer.close()
         assert status.split()[1] in (b"200", b"400", b"431"), status  # never a 500
+
+
+@pytest.mark.parametrize(("headers", "param"), [
+    ([("authorization", "Bearer sk-trial-0001"), ("authorization", "Bearer x")],
+     "authorization"),
+    ([("x-request-id", "r" * 8192)], "x-request-id"),
+    ([("x-kneegate-ttft-ms", "1e999")], "x-kneegate-ttft-ms"),
+])
+async def test_ambiguous_or_unbounded_headers_are_400_before_admission(
+        headers: list[tuple[str, str]], param: str) -> None:
+    engine = FakeEngine()
+    async with serve(engine) as up:
+        app = build_app(gw_config(up))
+        async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
+            r = await client.post(gw + "/v1/completions", json={"prompt": "hi"},
+                                  headers=[*headers, ("content-type", "application/json")])
+            assert r.status_code == 400
+            err = r.json()["error"]
+            assert (err["code"], err["param"]) == ("invalid_header", param)
+            assert len(r.headers.get("x-request-id", "")) <= 200
+            m = scrape((await client.get(gw + "/metrics")).text)
+        assert engine.requests == 0
+        assert total(m, "kneegate_client_rejections_total", reason="invalid_header") == 1
+        assert total(m, "kneegate_requests_received_total") == 0
