@@ -347,7 +347,7 @@ class AdmissionQueue:
     def engine_refused(self, up: UpstreamState) -> None:
         """`up`'s engine refused a request unstarted (its own queue caps): saturation."""
         if up.slow_start is not None:
-            up.slow_start.end(up.inflight + 1)
+            up.slow_start.end(up.inflight + 1, "engine_refused")
 
     def _cold_wait(self, ahead: int, now: float) -> float | None:
         """The wait predicted once the engine showed saturation but before the completion
@@ -457,7 +457,7 @@ class AdmissionQueue:
         ss = upstream.slow_start
         if ss is not None and ss.open:
             if outcome is Outcome.UPSTREAM_OVERLOADED:
-                ss.end(upstream.inflight + 1)
+                ss.end(upstream.inflight + 1, "upstream_overloaded")
             elif outcome is Outcome.OK and sample.ttft is None:  # no first token: its end
                 ss.acked(upstream.inflight + 1, upstream.controller.limit)
 
@@ -591,16 +591,18 @@ class AdmissionQueue:
 
     def _stood(self) -> None:
         """A queued request waited past its objective (or its class's wait cap): a slow
-        start judged by the engine's queue time (`SlowStart.timed`) ends there. Those
-        counters tell a burst from saturation, so an engine that holds everything it is
-        sent in time may never show saturation itself; without this the queue's predictions
-        stay off for good, and under sustained overload every request past the allowance
-        waits to its due before it is answered. (Judged by the waiting gauge, the engine
-        shows a standing queue first.)"""
+        start judged by the engine's queue time (`SlowStart.timed`) that has grown to its
+        reach ends there. Those counters tell a burst from saturation, so an engine that
+        holds everything it is sent in time may never show saturation itself; without this
+        the queue's predictions stay off for good, and under sustained overload every
+        request past the reach waits to its due before it is answered. Below its reach the
+        slow start may still grow: a queue standing there is a limit's doing (a controller
+        that cut), not the engine's. (Judged by the waiting gauge, the engine shows a
+        standing queue first.)"""
         for u in self.upstreams:
             ss = u.slow_start
-            if ss is not None and ss.open and ss.timed:
-                ss.end(u.inflight)
+            if ss is not None and ss.open and ss.timed and ss.at_reach:
+                ss.end(u.inflight, "queued_past_objective")
 
     def fairness(self) -> dict[str, float | None]:
         """Each class's Jain's index since the last call (`FairQueue.jain`); None where

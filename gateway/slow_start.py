@@ -27,7 +27,7 @@ is built anew):
         holding requests half the objective on average (`saturated`)
     the engine refusing a request unstarted (vLLM's queue caps, `AdmissionQueue.requeue`)
     for an engine judged by its queue time, a request queued at the gateway past its
-        objective (`AdmissionQueue._stood`)
+        objective once the allowance is at its reach (`AdmissionQueue._stood`)
     an answer of `upstream_overloaded`
 
 An engine that does not report its queue time (older vLLM, other servers) is judged by its
@@ -62,7 +62,13 @@ class SlowStart:
     allowance: int = 0
     _base: int = 0  # the controller's limit when the slow start first counted
     ended_at_level: int | None = None  # the in-flight count that showed saturation
+    ended_by: str | None = None  # what showed it: late_first_token, engine, refused, ...
     _last_stats: EngineStats | None = None
+
+    @property
+    def at_reach(self) -> bool:
+        """The allowance has grown as far as it may (`REACH` x the first limit)."""
+        return self._base > 0 and self.allowance >= self.REACH * self._base
 
     @property
     def timed(self) -> bool:
@@ -85,7 +91,7 @@ class SlowStart:
         if not self.open:
             return False
         if ttft > threshold:
-            return self.end(inflight)
+            return self.end(inflight, "late_first_token")
         self.acked(inflight, controller_limit)
         return False
 
@@ -102,29 +108,35 @@ class SlowStart:
         """A scrape of the engine: saturation since the last one (`saturated`) ends the
         slow start. True when this call ended it."""
         prev, self._last_stats = self._last_stats, stats
-        return prev is not None and saturated(prev, stats, threshold) and self.end(inflight)
+        return (prev is not None and saturated(prev, stats, threshold)
+                and self.end(inflight, "engine_queue"))
 
-    def end(self, inflight: int) -> bool:
-        """Saturation was seen at `inflight` in flight: close (True), unless closed already."""
+    def end(self, inflight: int, why: str) -> bool:
+        """Saturation (`why`) was seen at `inflight` in flight: close (True), unless closed
+        already."""
         if not self.open:
             return False
-        self.open, self.ended_at_level = False, inflight
+        self.open, self.ended_at_level, self.ended_by = False, inflight, why
         return True
+
+    def status(self) -> dict[str, object]:
+        """For the status page: open, the allowance, and what ended it at which level."""
+        return {"open": self.open, "allowance": self.allowance,
+                "ended_at_level": self.ended_at_level, "ended_by": self.ended_by}
 
 
 def saturated(prev: EngineStats, cur: EngineStats, threshold: float) -> bool:
     """Whether two scrapes show the engine saturated, for a first token due within
     `threshold` s: preemptions between them (its KV cache ran out); or, where the engine
     reports how long requests waited in its own queue (vLLM's request_queue_time_seconds),
-    those that left it meanwhile waited threshold / 2 on average, or none left it while
-    some waited at both scrapes. Without those counters, its queue standing and not
-    draining (`is_distress`). A burst's prefills wait a step or two in the engine's queue,
-    which the counters tell from a queue that stands; the waiting gauge alone cannot."""
+    those that left it meanwhile waited threshold / 2 on average. Without those counters,
+    its queue standing and not draining (`is_distress`). A burst's prefills wait a step or
+    two in the engine's queue, which the counters tell from a queue that stands; the
+    waiting gauge alone cannot. An interval in which none left tells nothing yet (a long
+    prefill may hold the queue that long): their wait, when they leave, will."""
     if cur.preemptions_total > prev.preemptions_total:
         return True
     left = cur.queue_time_count - prev.queue_time_count
     if math.isnan(left):
         return is_distress(prev, cur)
-    if left > 0:
-        return (cur.queue_time_sum - prev.queue_time_sum) / left > threshold / 2
-    return cur.waiting > 0 and prev.waiting > 0
+    return left > 0 and (cur.queue_time_sum - prev.queue_time_sum) / left > threshold / 2

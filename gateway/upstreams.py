@@ -141,6 +141,7 @@ class Upstream(UpstreamState):
             "in_flight": self.inflight,
             "in_flight_tokens": self.inflight_tokens,  # prompt-size estimates, summed
             "controller": self.controller.state(),
+            "slow_start": None if self.slow_start is None else self.slow_start.status(),
             "scrape": self.scrape_state,
             "engine": _engine_status(self.telemetry(now)),
         }

@@ -68,10 +68,10 @@ def test_an_engine_that_reports_its_queue_time_is_saturated_only_by_long_waits()
     # a burst: requests wait at every scrape, but briefly (0.2 s on average): not saturation
     assert not saturated(timed(30, 0.0, 0), timed(30, 6.0, 30), 2.0)
     assert not saturated(timed(30, 6.0, 30), timed(20, 10.0, 50), 2.0)
-    # waits of half the objective on average, or a queue nobody left: saturation
+    # waits of half the objective on average: saturation
     assert saturated(timed(30, 6.0, 30), timed(30, 18.0, 40), 2.0)  # 1.2 s each
-    assert saturated(timed(5, 6.0, 30), timed(5, 6.0, 30), 2.0)
-    assert not saturated(timed(0, 6.0, 30), timed(0, 6.0, 30), 2.0)  # idle
+    # nobody left the queue in an interval (a long prefill ahead): not yet known
+    assert not saturated(timed(5, 6.0, 30), timed(5, 6.0, 30), 2.0)
     ss = SlowStart(allowance=12)
     for s in (timed(30, 0.0, 0), timed(30, 6.0, 30), timed(20, 10.0, 50)):
         assert not ss.engine_stats(s, 12, 2.0)
@@ -125,18 +125,37 @@ def test_once_saturated_the_limit_is_the_controllers_and_the_queue_may_refuse() 
     assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
 
 
-@pytest.mark.parametrize("reports_queue_time", [True, False])
-def test_a_request_queued_past_its_objective_ends_a_slow_start_judged_by_queue_time(
-        reports_queue_time: bool) -> None:
-    q, up = queue()
+def _engine_in_time(q: AdmissionQueue, up: UpstreamState, reports_queue_time: bool) -> None:
     for at, waited, left in ((0.0, 0.0, 0), (1.0, 0.1, 1)):  # an engine that is not saturated
         scrape = timed(0, waited, left) if reports_queue_time else stats(0)
         q.engine_stats(up, dataclasses.replace(scrape, at=at, waiting=0))
-    burst(q, 10, 0.0)  # 4 in flight, no first token: 6 wait until they are due
-    _, expired = q.tick(2.1)
-    assert expired  # the heads' objective passed while they waited at the gateway
-    assert up.slow_start is not None and up.slow_start.open is not reports_queue_time
-    # (judged by the waiting gauge, the engine's own queue shows saturation first)
+
+
+@pytest.mark.parametrize("reports_queue_time", [True, False])
+def test_a_request_queued_past_its_objective_at_the_reach_ends_a_slow_start_on_queue_time(
+        reports_queue_time: bool) -> None:
+    below, up = queue()  # below its reach the slow start may still grow: it stays open
+    _engine_in_time(below, up, reports_queue_time)
+    burst(below, 8, 0.0)  # 4 in flight with no first token, 4 queued until they are due
+    _, expired = below.tick(2.1)
+    assert len(expired) == 4 and up.slow_start is not None and up.slow_start.open
+    q, up = queue()
+    _engine_in_time(q, up, reports_queue_time)
+    tickets, now = burst(q, 40, 0.0), 0.0
+    for _ in range(100):  # timely first tokens: it grows to its reach
+        if up.limit == SlowStart.REACH * 4:
+            break
+        now += 0.01
+        for t in [t for t in tickets if t.awaiting_first]:
+            q.first_token(t, now)
+    assert up.limit == SlowStart.REACH * 4 and now < 1.0
+    assert up.slow_start is not None and up.slow_start.open
+    for _ in range(4):
+        q.offer(Ticket("default", now, streamed=True), now)
+    _, expired = q.tick(now + 2.1)
+    assert expired  # queued past its objective, the upstream at its reach
+    assert up.slow_start.open is not reports_queue_time
+    assert up.slow_start.ended_by == ("queued_past_objective" if reports_queue_time else None)
 
 
 def test_an_overloaded_answer_is_saturation() -> None:
