@@ -17,7 +17,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from helpers.gateway import gw_config, scrape, serve, total
+from helpers.gateway import gw_config, scrape, serve, total, until
 from vllm_server import VllmServer
 
 from kneegate.benchmarks.overload import late_ticks
@@ -70,9 +70,9 @@ async def test_gateway_relays_the_same_tokens_as_direct(
 
 
 @pytest.mark.parametrize("body", [
-    {"model": "tiny", "prompt": "x", "max_tokens": 5000},  # over max_model_len (1024): 400
+    {"model": "tiny", "prompt": "x", "max_tokens": 4, "temperature": -1},  # 400
     {"model": "no-such-model", "prompt": "x", "max_tokens": 4},  # 404
-], ids=["max_tokens", "model"])
+], ids=["temperature", "model"])
 async def test_vllm_error_bodies_pass_through_unchanged(
     vllm: VllmServer, body: dict[str, Any]
 ) -> None:
@@ -89,6 +89,30 @@ async def test_vllm_error_bodies_pass_through_unchanged(
             assert relayed.headers["content-type"] == direct.headers["content-type"]
             assert direct.json()["error"]["code"] == direct.status_code
         assert app.gateway.pool.active[0].inflight == 0
+
+
+async def test_a_request_over_the_context_is_refused_as_vllm_would_before_admission(
+    vllm: VllmServer,
+) -> None:
+    # the gateway reads max_model_len from vLLM's /v1/models and answers at once
+    app = build_app(gw_config(vllm.url, limit=4))
+    async with serve(app) as gw, httpx.AsyncClient(timeout=30) as client:
+        await until(lambda: app.gateway.pool.context("tiny") == vllm.max_model_len, 30)
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            req: dict[str, Any] = {"model": "tiny", "max_tokens": vllm.max_model_len + 1}
+            if "chat" in path:
+                req["messages"] = [{"role": "user", "content": "x"}]
+            else:
+                req["prompt"] = "x"
+            direct = await client.post(vllm.url + path, json=req)
+            relayed = await client.post(gw + path, json=req)
+            assert direct.status_code == relayed.status_code == 400, direct.text
+            err = relayed.json()["error"]
+            assert err["code"] == "context_length_exceeded"
+            assert f"maximum context length is {vllm.max_model_len} tokens" in err["message"]
+        m = scrape((await client.get(gw + "/metrics")).text)
+    assert total(m, "kneegate_client_rejections_total", reason="context_length") == 2
+    assert total(m, "kneegate_requests_received_total") == 0  # never queued
 
 
 async def engine_counts(client: httpx.AsyncClient, url: str) -> dict[str, float]:
