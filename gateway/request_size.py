@@ -14,9 +14,11 @@ Text counts ceil(UTF-8 bytes / 4) tokens (about 4 bytes a token for English BPE;
 controllers learn the engine's true tokens per estimate from finished requests); token ids
 count one each. JSON whitespace, unknown fields and nested keys count nothing.
 
-Only these POSTs are *generation*: the evidence about the engine's prompts, its load and
-its demand. Everything else (`GET /v1/models`, `/tokenize`, `/version`, ...) is forwarded
-and counted, but tells admission nothing (`RequestSize.generation` False).
+These POSTs, and any other POST but `LIGHT` (`/v1/score`, `/v1/rerank`, audio, ...: work
+for the engine whose fields are not read here, sized by their JSON text, whitespace aside, or
+else their bytes / 4), are *generation*: admitted, and the evidence about the engine's
+prompts, load and demand. The rest (`GET /v1/models`, `/tokenize`, `/detokenize`, `DELETE`,
+...) is forwarded and counted, but tells admission nothing (`RequestSize.generation` False).
 
 `stream` is read as vLLM's pydantic model reads it (lax bool: true, 1, "yes", ... stream),
 from the top-level key only.
@@ -37,7 +39,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-__all__ = ["GENERATION", "MAX_BYTES_PER_TOKEN", "NOT_GENERATION", "RequestSize",
+__all__ = ["GENERATION", "LIGHT", "MAX_BYTES_PER_TOKEN", "NOT_GENERATION", "RequestSize",
            "over_context", "read_request"]
 
 MAX_BYTES_PER_TOKEN = 8
@@ -51,6 +53,9 @@ GENERATION: dict[bytes, tuple[str, tuple[str, ...]]] = {
     b"/v1/embeddings": ("input", ()),
     b"/v1/responses": ("input", ("max_output_tokens",)),
 }
+
+# POSTs that ask the engine for no generation: tokenizing is its API server's work only
+LIGHT = frozenset({b"/tokenize", b"/detokenize"})
 
 _LAX_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 
@@ -78,9 +83,11 @@ class BadBody(ValueError):
 def read_request(method: str, path: bytes, body: bytes) -> RequestSize:
     """The size of a request to `path`; raises BadBody for a generation request whose body
     is not a JSON object."""
-    fields = GENERATION.get(path) if method == "POST" else None
-    if fields is None:
+    if method != "POST" or path in LIGHT:
         return NOT_GENERATION
+    fields = GENERATION.get(path)
+    if fields is None:
+        return _other(body)
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -96,6 +103,17 @@ def read_request(method: str, path: bytes, body: bytes) -> RequestSize:
     return RequestSize(
         generation=True, prompt=prompt, floor=floor, max_tokens=_cap(doc, caps),
         stream=_stream(doc.get("stream")), model=model if isinstance(model, str) else None)
+
+
+def _other(body: bytes) -> RequestSize:
+    """A POST whose fields are not read here: sized by its JSON text with whitespace
+    normalised (a body that is not JSON, such as an audio upload: its bytes / 4); no floor,
+    so never refused for the context."""
+    try:
+        text = json.dumps(json.loads(body), separators=(",", ":"))
+    except (ValueError, UnicodeDecodeError):
+        return RequestSize(generation=True, prompt=len(body) // 4)
+    return RequestSize(generation=True, prompt=_text(text)[0])
 
 
 def over_context(size: RequestSize, context: int) -> str | None:

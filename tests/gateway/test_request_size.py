@@ -74,12 +74,21 @@ def test_only_the_top_level_stream_key_streams() -> None:
 
 
 @pytest.mark.parametrize(("method", "path"), [
-    ("GET", b"/v1/models"), ("POST", b"/tokenize"), ("GET", b"/v1/completions"),
-    ("POST", b"/v1/files"),
+    ("GET", b"/v1/models"), ("POST", b"/tokenize"), ("POST", b"/detokenize"),
+    ("GET", b"/v1/completions"), ("DELETE", b"/v1/files/f1"),
 ])
-def test_anything_but_a_generation_post_is_no_evidence(method: str, path: bytes) -> None:
+def test_what_asks_for_no_generation_is_no_evidence(method: str, path: bytes) -> None:
     got = read_request(method, path, b"not json at all")
     assert not got.generation and got.prompt == 0
+
+
+def test_any_other_post_is_admitted_as_work_sized_by_its_json_text_or_bytes() -> None:
+    doc = {"model": "m", "text_1": "q" * 400, "text_2": ["d" * 400]}
+    scored = read_request("POST", b"/v1/score", json.dumps(doc, indent=40).encode())
+    assert scored.generation and scored.floor == 0
+    assert scored.prompt == -(-len(json.dumps(doc, separators=(",", ":"))) // 4)
+    audio = read_request("POST", b"/v1/audio/transcriptions", b"\x00" * 4000)  # multipart
+    assert audio.generation and audio.prompt == 1000
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b"[1, 2]", b"\xff\xfe", b'"prompt"'])
