@@ -285,6 +285,8 @@ class Proxy:
         # footprint (controllers learn the engine's tokens per estimate from finished
         # prompts), weighed against a controller's token budget. A request that is not
         # generation passes with no slot and is no evidence (gateway/admission.py).
+        if cls not in self.gate.queue.classes:  # a reload removed it while the body came
+            cls = self.settings.default_class
         try:
             permit = await self.gate.acquire(cls, size.prompt, objective, tenant, size.stream,
                                              size.generation)

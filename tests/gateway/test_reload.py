@@ -3,6 +3,7 @@ put and are never printed (issue 11, defects 2 and 9)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
@@ -235,3 +237,29 @@ def test_the_classes_objectives_are_exported_and_follow_a_reload() -> None:
     assert (objective("default"), objective("batch")) == (2.0, 60.0)
     app.gateway.apply(gw_config("http://127.0.0.1:9", classes={"default": {"ttft_objective": 1.5}}))
     assert (objective("default"), objective("batch")) == (1.5, None)
+
+
+async def test_a_reload_that_removes_a_class_while_a_body_arrives_serves_it_in_the_default(
+    tmp_path: Path,
+) -> None:
+    async with _rig(tmp_path) as rig:
+        host, port = rig.gw.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(head.encode() + body[:5])  # its class (batch, by its key) is chosen
+            await writer.drain()
+            r = await rig.reload(rig.doc(classes={"interactive": {"priority": 10}},
+                                         default_class="interactive", api_keys={}))
+            assert r.status_code == 200, r.text
+            writer.write(body[5:])
+            await writer.drain()
+            with anyio.fail_after(5):
+                status = await reader.readline()
+        finally:
+            writer.close()
+        assert status.split()[1] == b"200", status  # served, in the default class
+        m = await rig.metrics()
+        assert total(m, "kneegate_requests_received_total", **{"class": "interactive"}) == 1
