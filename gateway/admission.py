@@ -231,8 +231,8 @@ class AdmissionQueue:
             raise KeyError(f"unknown priority class {cls!r}")
         if not ticket.generation:
             return self._pass(ticket, now)
-        self._arrived(ticket)
-        decision = self._decide(ticket, now)
+        usable = self._arrived(ticket)
+        decision = self._decide(ticket, now, usable)
         if not (type(decision) is Rejected and self._own_doing(ticket, decision)):
             self.demand.arrive(now)  # offered load the engines could have served
         return decision
@@ -245,20 +245,20 @@ class AdmissionQueue:
             reason is RejectReason.OVER_OBJECTIVE
             and ticket.ttft_objective < self.classes[ticket.cls].ttft_objective)
 
-    def _usable(self) -> bool:
-        return any(u.usable for u in self.upstreams)
-
-    def _arrived(self, ticket: Ticket) -> None:
+    def _arrived(self, ticket: Ticket) -> bool:
         """Every usable upstream hears of a generation request as it arrives, queued or
         shed: under overload the queue delays admissions by seconds, and the shed are most
         of what tells a change in the mix early (its size is read from the content, so no
-        padding moves it)."""
+        padding moves it). Whether any upstream is usable (one loop a request)."""
+        usable = False
         for u in self.upstreams:
             if u.usable:
+                usable = True
                 try:  # `_call`, inline: this runs on every request
                     u.controller.on_arrival(ticket.tokens)
                 except Exception as exc:
                     self._failed(u, "on_arrival", exc)
+        return usable
 
     def _pass(self, ticket: Ticket, now: float) -> Admitted | Rejected:
         """A request that is not generation (`GET /v1/models`, `/tokenize`, ...): sent at
@@ -276,11 +276,12 @@ class AdmissionQueue:
         ticket.upstream, ticket.dispatched_at = best, now
         return Admitted(best)
 
-    def _decide(self, ticket: Ticket, now: float) -> Admitted | Queued | Rejected:
+    def _decide(self, ticket: Ticket, now: float, usable: bool
+                ) -> Admitted | Queued | Rejected:
         cls = ticket.cls
         if self.closed:
             return self.shutdown_rejection()
-        if not self._usable():
+        if not usable:
             return no_upstream(self.retry_after_min)
         if ticket.tenant.capped:
             quota = self._over_quota(ticket, now)

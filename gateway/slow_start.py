@@ -62,7 +62,9 @@ class SlowStart:
     allowance: int = 0
     _base: int = 0  # the controller's limit when the slow start first counted
     ended_at_level: int | None = None  # the in-flight count that showed saturation
-    ended_by: str | None = None  # what showed it: late_first_token, engine, refused, ...
+    # what showed it: late_first_token, engine_queue, engine_refused, upstream_overloaded,
+    # queued_past_objective
+    ended_by: str | None = None
     _last_stats: EngineStats | None = None
 
     @property
@@ -134,9 +136,9 @@ def saturated(prev: EngineStats, cur: EngineStats, threshold: float) -> bool:
     two in the engine's queue, which the counters tell from a queue that stands; the
     waiting gauge alone cannot. An interval in which none left tells nothing yet (a long
     prefill may hold the queue that long): their wait, when they leave, will."""
-    if cur.preemptions_total > prev.preemptions_total:
-        return True
     left = cur.queue_time_count - prev.queue_time_count
     if math.isnan(left):
-        return is_distress(prev, cur)
+        return is_distress(prev, cur)  # preemptions, or the waiting gauge standing
+    if cur.preemptions_total > prev.preemptions_total:
+        return True
     return left > 0 and (cur.queue_time_sum - prev.queue_time_sum) / left > threshold / 2
