@@ -66,8 +66,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kneegate.benchmarks import trace
 from kneegate.benchmarks.engine.core import EngineCore, EngineRequest
 from kneegate.benchmarks.engine.profiles import Profile, load_profile
 from kneegate.benchmarks.engine.virtual import closed_loop
@@ -93,6 +94,7 @@ from kneegate.gateway.admission_types import (
 from kneegate.gateway.fairness import jain_index
 
 __all__ = [
+    "TRACE_STRIDE",
     "WAIT_CAPS",
     "Result",
     "Scenario",
@@ -103,8 +105,10 @@ __all__ = [
     "load_scenario",
     "run",
     "run_spec",
+    "scenario_knee",
     "scenario_names",
     "tenant_rows",
+    "trace_mix",
     "true_knee",
     "user_ttft",
     "water_fill",
@@ -179,6 +183,17 @@ class Scenario(_Strict):
     oracle_limits: list[int] | None = None
     tenants: list[Tenant] = Field(
         default_factory=list, description="none: every request is the same (anonymous) tenant")
+    trace: str | None = Field(
+        None, description="a production trace (`benchmarks.trace.TRACES`): its arrivals' "
+        "spacing and its requests' lengths, fitted to the profile's context, replace the "
+        "Poisson arrivals and the uniform lengths; `load` is then x the capacity for its mix")
+    trace_start: int = Field(0, ge=0, description="the trace row seed 0 starts at")
+
+    @model_validator(mode="after")
+    def _trace_has_no_bursts(self) -> Scenario:
+        if self.trace is not None and any(p.burst for p in self.phases):
+            raise ValueError("a trace scenario keeps the trace's own bursts: no `burst` phases")
+        return self
 
     @property
     def changes(self) -> list[float]:
@@ -199,15 +214,24 @@ def load_scenario(name: str) -> Scenario:
 # --- the true knee (closed-loop sweep, the operator's 5% rule) -----------------------------
 
 
+@functools.lru_cache(maxsize=8)
+def trace_mix(name: str, context: int) -> tuple[tuple[int, int], ...]:
+    """A trace's (prompt, output) tokens in arrival order, each fitted to `context`."""
+    return tuple((r.prompt, r.output) for r in trace.cap(trace.load(name), context))
+
+
 @functools.lru_cache(maxsize=64)
-def _sweep(profile: Profile, prompt: int, out: int) -> tuple[tuple[int, float], ...]:
+def _sweep(profile: Profile, prompt: int, out: int,
+           trace_name: str | None = None) -> tuple[tuple[int, float], ...]:
+    mix = trace_mix(trace_name, profile.max_model_len) if trace_name else ()
     levels, c = [], 4
     while c <= min(profile.engine.max_num_seqs * 2, 2048):
         levels.append(c)
         c = max(c + 1, round(c * 1.2))
     rows: list[tuple[int, float]] = []
     for c in levels:
-        r = closed_loop(lambda: EngineCore(profile, seed=0), c, 60.0, prompt, out, warmup=20.0)
+        r = closed_loop(lambda: EngineCore(profile, seed=0), c, 60.0, prompt, out, warmup=20.0,
+                        lengths=mix)
         rows.append((c, r.throughput))
         k = find_knee([c for c, _ in rows], [x for _, x in rows])
         if k.index is not None and len(rows) >= k.index + 4:
@@ -215,12 +239,26 @@ def _sweep(profile: Profile, prompt: int, out: int) -> tuple[tuple[int, float], 
     return tuple(rows)
 
 
-def true_knee(profile: Profile, prompt: int, out: int) -> tuple[int, float]:
-    """(knee concurrency, its tokens/s) by the 5% rule over 20%-steps of a closed loop."""
-    rows = _sweep(profile, prompt, out)
+def true_knee(profile: Profile, prompt: int, out: int,
+              trace_name: str | None = None) -> tuple[int, float]:
+    """(knee concurrency, its tokens/s) by the 5% rule over 20%-steps of a closed loop of
+    requests of `prompt` and `out` tokens, or of a trace's mix in turn (`trace_name`)."""
+    rows = _sweep(profile, prompt, out, trace_name)
     k = find_knee([c for c, _ in rows], [x for _, x in rows])
     level = k.level if k.level is not None else k.peak_level
     return level, dict(rows)[level]
+
+
+def scenario_knee(sc: Scenario, profile: Profile) -> tuple[int, float, float]:
+    """(knee concurrency, its output tokens/s, a request's mean output tokens) for the
+    scenario's mix: its uniform lengths, or its trace's recorded ones. The knee's rate of
+    requests (tokens/s over the mean output) is the unit of a phase's `load`."""
+    if sc.trace is None:
+        knee, tput = true_knee(profile, sc.prompt_tokens, sc.output_tokens)
+        return knee, tput, float(sc.output_tokens)
+    knee, tput = true_knee(profile, 0, 0, sc.trace)
+    mix = trace_mix(sc.trace, profile.max_model_len)
+    return knee, tput, statistics.fmean(o for _, o in mix)
 
 
 # --- one run ---------------------------------------------------------------------------------
@@ -258,9 +296,12 @@ class Result:
     demand: list[float] = field(default_factory=list)  # offered / capacity, NaN before known
 
 
-def _arrivals(sc: Scenario, rate_unit: float, seed: int) -> list[Arrival]:
-    """(time, class, prompt, output, tenant) for the whole run; lengths uniform in [0.5, 1.5]
-    x mean. A scenario without tenants draws no tenant (its arrivals are as they were)."""
+def _arrivals(sc: Scenario, rate_unit: float, seed: int, context: int) -> list[Arrival]:
+    """(time, class, prompt, output, tenant) for the whole run: Poisson arrivals with lengths
+    uniform in [0.5, 1.5] x mean, or a trace's (`_trace_arrivals`). A scenario without
+    tenants draws no tenant (its arrivals are as they were)."""
+    if sc.trace is not None:
+        return _trace_arrivals(sc, rate_unit, seed, context)
     rng = random.Random(seed)
     shares = [c.share for c in sc.classes]
     tenant_shares = [t.share for t in sc.tenants]
@@ -287,6 +328,37 @@ def _arrivals(sc: Scenario, rate_unit: float, seed: int) -> list[Arrival]:
             outn = max(2, round(sc.output_tokens * rng.uniform(0.5, 1.5)))
             tenant = rng.choices(sc.tenants, weights=tenant_shares)[0].name if sc.tenants else ""
             out.append((t, cls, prompt, outn, tenant))
+    return out
+
+
+TRACE_STRIDE = 7919  # rows between two seeds' starting points: each seed replays its own slice
+
+
+def _trace_arrivals(sc: Scenario, rate_unit: float, seed: int, context: int) -> list[Arrival]:
+    """The trace's requests from row `trace_start + seed * TRACE_STRIDE` on, each phase
+    replaying the next rows at its load (`trace.schedule`: the recorded spacing scaled to
+    the rate), with the recorded lengths fitted to `context` (x the phase's prompt_scale);
+    classes and tenants drawn by the seed as for Poisson arrivals."""
+    rows = trace.cap(trace.load(sc.trace or ""), context)
+    rng = random.Random(seed)
+    shares = [c.share for c in sc.classes]
+    tenant_shares = [t.share for t in sc.tenants]
+    start = (sc.trace_start + seed * TRACE_STRIDE) % len(rows)
+    out: list[Arrival] = []
+    load, scale = 0.0, 1.0
+    bounds = [p.at for p in sc.phases[1:]] + [sc.duration]
+    for phase, end in zip(sc.phases, bounds, strict=True):
+        load = phase.load if phase.load is not None else load
+        scale = phase.prompt_scale or scale
+        if load <= 0 or end <= phase.at:
+            continue
+        picked = trace.schedule(rows, load * rate_unit, end - phase.at, start)
+        start = (start + len(picked)) % len(rows)
+        for r in picked:
+            cls = rng.choices(sc.classes, weights=shares)[0].name
+            tenant = rng.choices(sc.tenants, weights=tenant_shares)[0].name if sc.tenants else ""
+            prompt = max(1, min(round(r.prompt * scale), context - r.output))
+            out.append((phase.at + r.at, cls, prompt, r.output, tenant))
     return out
 
 
@@ -350,10 +422,10 @@ class _Sim:
                         for t in sc.tenants} if fair else {}
         self.profile = load_profile(sc.profile, **sc.profile_overrides)
         self.core = EngineCore(self.profile, seed=seed)
-        _knee, tput = true_knee(self.profile, sc.prompt_tokens, sc.output_tokens)
-        self.arrivals = (
-            _arrivals(sc, tput / sc.output_tokens, seed) if arrivals is None else list(arrivals)
-        )
+        if arrivals is None:
+            _knee, tput, mean_out = scenario_knee(sc, self.profile)
+            arrivals = _arrivals(sc, tput / mean_out, seed, self.profile.max_model_len)
+        self.arrivals = list(arrivals)
         each = None if limit is None else max(1, round(limit / sc.gateways))
         self.ctls = [_controller(sc, ctl, each) for _ in range(sc.gateways)]
         self.then = sorted(then, key=lambda m: m[0])  # a fixed pair that switches at `at`
@@ -636,7 +708,7 @@ def oracle(sc: Scenario, seed: int) -> Oracle:
     best limit at the best cap, so a coarse grid does not flatter a controller.
     """
     profile = load_profile(sc.profile, **sc.profile_overrides)
-    knee, _ = true_knee(profile, sc.prompt_tokens, sc.output_tokens)
+    knee, _, _ = scenario_knee(sc, profile)
     limits = sorted(
         sc.oracle_limits
         or {

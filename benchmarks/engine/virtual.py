@@ -1,7 +1,8 @@
 """Closed-loop load against the core in virtual time: a sweep point in milliseconds.
 
 `closed_loop(...)` keeps `concurrency` requests in the engine: each finished request is
-replaced by a new one (after `client_gap` virtual seconds, the client's turnaround). Time
+replaced by a new one (after `client_gap` virtual seconds, the client's turnaround), of the
+same lengths or, with `lengths`, of the next (prompt, output) pair of a mix in turn. Time
 is the sum of step durations, so results are deterministic for a seed and take no sleep.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kneegate.benchmarks.engine.core import EngineCore, EngineRequest
@@ -52,12 +53,15 @@ def closed_loop(
     warmup: float = 0.0,
     client_gap: float = 0.0,
     started_after_warmup: bool = False,
+    lengths: Sequence[tuple[int, int]] = (),
 ) -> LoopResult:
     """Run `concurrency` clients for `seconds` of virtual time; measure after `warmup`.
 
     Latencies are those of requests finished after `warmup`; with `started_after_warmup`,
     of requests that also arrived after it, as benchmarks.loadgen counts a live run (the
-    first wave, all clients arriving at once, then stays out of TTFT p99).
+    first wave, all clients arriving at once, then stays out of TTFT p99). `lengths`: the
+    requests' (prompt, output) tokens in turn, cycling (a production mix) in place of
+    `prompt_tokens` and `max_tokens`.
     """
     core = core_factory()
     live: dict[str, _Tracker] = {}
@@ -73,6 +77,8 @@ def closed_loop(
             serial += 1
             rid = f"v{serial}"
             live[rid] = _Tracker(now)
+            if lengths:
+                prompt_tokens, max_tokens = lengths[(serial - 1) % len(lengths)]
             core.add_request(EngineRequest(rid, prompt_tokens, max_tokens))
         if not core.has_unfinished():
             now = arrivals[0][0]  # every client is between requests: jump to the next arrival

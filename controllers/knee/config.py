@@ -85,6 +85,11 @@ class KneeConfig(BaseControllerConfig):
     footprint_jump: float = Field(
         1.3, gt=1.05, le=10, description="footprint ratio, recent to learned, that rescales"
     )
+    shift_z: float = Field(
+        4.0, ge=0, le=20,
+        description="a size shift must also stand this many standard errors of the recent mean "
+        "from the learned size (a wide mix of lengths is no shift)",
+    )
     kv_target: float = Field(
         0.98, gt=0.1, le=1.0, description="KV-cache use the KV-edge limit admits up to"
     )

@@ -7,13 +7,27 @@ learned size (one huge prompt is no shift), feeds
     recent   running mean, then EWMA, over ~`admit_recent`     tells a shift
     last     plain mean of the last `admit_last`                sizes it
     learned  running mean, then EWMA, over ~`admit_learned`    what the curve was learnt at
+    spread   running mean, then EWMA, over ~`admit_learned`    of (p / learned - 1)^2 over
+                                                               prompts that are no shift: the
+                                                               mix's squared coefficient of
+                                                               variation, cv^2
+
+A move of `recent` is a shift only where it is also *significant*: |recent / learned - 1| >
+`shift_z` x cv / sqrt(2 x admit_recent - 1), the standard error of an EWMA of weight
+1 / admit_recent over a mix of that spread. Production mixes are wide (the Azure 2023
+traces: cv 0.96), and there a 20-request mean passes 1.3x the 200-request one at 7-10% of
+arrivals by chance alone: each such pass cut the limit, and nothing raised it again
+(docs/experiments/2026-12-07-trace-scale.md). Uniform mixes (cv <= 0.3) keep the plain
+ratio test: the significance bound (<= 0.19 at z = 4) is under `footprint_jump` - 1.
 
 State machine, with r = footprint ratio (recent, learned) (`Calibration.footprint_ratio`):
 
     start      fewer than `admit_recent` noted: learned = recent
-    steady     r > footprint_jump:     cut by max(r, ratio(last, learned)) -> confirming
-               r < 1 / footprint_jump: learned = recent (rebase; probing finds the room)
-               else:                   learned follows the new estimate
+    steady     r > footprint_jump and significant:     cut by max(r, ratio(last, learned))
+                                                       -> confirming
+               r < 1 / footprint_jump and significant: learned = recent (rebase; probing
+                                                       finds the room)
+               else:                                   learned follows the new estimate
     confirming the next `admit_confirm` estimates size the cut again: if their mean's
                ratio to the size the cut assumed is over `confirm_jump`, a second cut by
                that ratio (never a rise) -> steady; else -> steady as if unconfirmed
@@ -55,6 +69,7 @@ class PromptSizes:
         # the old size when the slow mean tells the shift, 3-5 admissions in)
         self.last: deque[float] = deque(maxlen=cfg.admit_last)
         self.learned = 0.0  # mean over ~admit_learned, rebased after a rescale
+        self.spread = 0.0  # mean of (p / learned - 1)^2 over ~admit_learned: cv^2 of the mix
         self.confirm: list[float] | None = None  # estimates since a cut, until admit_confirm
 
     def note(self, prompt_tokens: int, cal: Calibration) -> Cut | None:
@@ -74,17 +89,27 @@ class PromptSizes:
         if self.confirm is not None and (cut := self._confirmed(p, cal)) is not None:
             return cut
         if self.noted < c.admit_recent:
+            self._spread(p)
             self.learned = self.recent  # too few to tell a shift from the start
             return None
         r = cal.footprint_ratio(self.recent, self.learned)
-        if r > c.footprint_jump:
+        significant = abs(self.recent / self.learned - 1) > c.shift_z * math.sqrt(
+            self.spread / (2 * c.admit_recent - 1))
+        if r > c.footprint_jump and significant:
             # the slow mean tells a shift; the last few admissions how far it went
             return max(r, cal.footprint_ratio(self._last_mean(), self.learned)), None
-        if r < 1 / c.footprint_jump:
+        if r < 1 / c.footprint_jump and significant:
             self.learned = self.recent  # smaller prompts: probing finds the room again
-        else:
+        else:  # no shift: the mix's mean and spread follow
+            self._spread(p)
             self.learned += (p - self.learned) / min(self.noted, c.admit_learned)
         return None
+
+    def _spread(self, p: float) -> None:
+        """Learn the mix's spread from a prompt that is no shift: the prompts of a shift
+        would widen it and hide the shift itself."""
+        deviation = (p / self.learned - 1) ** 2
+        self.spread += (deviation - self.spread) / min(self.noted, self.cfg.admit_learned)
 
     def _confirmed(self, p: float, cal: Calibration) -> Cut | None:
         """The admissions after a cut size it again: a cut sized by a few admissions (3-5,

@@ -7,12 +7,15 @@ import statistics
 
 import pytest
 
+from kneegate.benchmarks import trace
 from kneegate.benchmarks.engine.core import EngineCore
 from kneegate.benchmarks.engine.profiles import Profile, load_profile
 from kneegate.benchmarks.engine.virtual import closed_loop
 from kneegate.benchmarks.simulate import (
+    TRACE_STRIDE,
     WAIT_CAPS,
     Oracle,
+    _arrivals,
     engine_ttft,
     fixed_pair,
     goodput,
@@ -23,6 +26,7 @@ from kneegate.benchmarks.simulate import (
     parse_seeds,
     run,
     run_spec,
+    scenario_knee,
     scenario_names,
     true_knee,
     user_ttft,
@@ -36,6 +40,23 @@ def test_every_scenario_file_loads() -> None:
     assert len(names) >= 8
     for name in names:
         assert load_scenario(name).name == name
+
+
+def test_a_trace_scenario_replays_the_traces_lengths_at_its_load() -> None:
+    """Lengths are the trace's, fitted to the profile's context; the rate is `load` x the
+    capacity for the trace's mix; each seed replays its own slice of the trace."""
+    sc = load_scenario("trace-code-h100-3x").model_copy(update={"duration": 30.0})
+    profile = load_profile(sc.profile)
+    _, tput, mean_out = scenario_knee(sc, profile)
+    arrivals = _arrivals(sc, tput / mean_out, 7, profile.max_model_len)
+    rows = trace.cap(trace.load("code"), profile.max_model_len)
+    start = (7 * TRACE_STRIDE) % len(rows)
+    assert [(p, o) for _, _, p, o, _ in arrivals[:50]] == [
+        (r.prompt, r.output) for r in rows[start:start + 50]]
+    rate = len(arrivals) / sc.duration
+    assert rate == pytest.approx(3.0 * tput / mean_out, rel=0.05)
+    other = _arrivals(sc, tput / mean_out, 8, profile.max_model_len)
+    assert [a[2] for a in other[:50]] != [a[2] for a in arrivals[:50]]
 
 
 def test_same_seed_same_run() -> None:

@@ -121,6 +121,29 @@ def test_smaller_prompts_only_rebase() -> None:
     assert sizes.learned == sizes.recent == pytest.approx(300.25)
 
 
+def test_a_wide_mix_of_lengths_is_no_shift_but_a_shift_within_it_is() -> None:
+    """Lengths as wide as a production trace's (exponential: cv 1): a 20-request mean
+    passes 1.3x the learned one often by chance, which the significance bound ignores;
+    with `shift_z` 0 (the plain ratio test) the same draws cut; a real 4x shift still cuts."""
+    import random
+
+    def cuts(cfg: KneeConfig, mean_after: float) -> int:
+        rng = random.Random(5)
+        sizes, cal = PromptSizes(cfg), Calibration(learned=cfg.admit_learned)
+        n = 0
+        for i in range(4000):
+            mean = 1000.0 if i < 3000 else mean_after
+            cut = sizes.note(max(1, round(rng.expovariate(1 / mean))), cal)
+            if cut is not None:
+                n += 1
+                sizes.rebase(cut[1])
+        return n
+
+    assert cuts(KneeConfig(), 1000.0) == 0
+    assert cuts(KneeConfig(shift_z=0), 1000.0) >= 10
+    assert cuts(KneeConfig(), 4000.0) >= 1
+
+
 def test_a_second_rescale_within_max_window_keeps_the_first_ones_start() -> None:
     epoch = Epoch()
     assert not epoch.calibrated(1, 2)
