@@ -75,6 +75,10 @@ class LimitsConfig(Frozen):
     body_timeout: float = Field(
         60.0, gt=0, le=3600,
         description="longest silence between two reads of a request body; else 408 and close")
+    body_deadline: float = Field(
+        300.0, gt=0, le=3600,
+        description="a request body must arrive whole within this from its first read (Envoy's "
+        "request_timeout in its edge settings); else 408 and close")
     keepalive_timeout: float = Field(
         60.0, gt=0, le=3600,
         description="an idle keep-alive client connection is closed after this")

@@ -10,7 +10,10 @@ at most one timer per connection and phase:
   from its next read: it may reach twice the limit, never more);
 - the head must arrive within `header_timeout` of the connection or of its first byte
   (slowloris): 408, or a silent close when nothing came at all (nginx does the same);
-- a request body must not pause longer than `body_timeout` between two reads: 408;
+- a request body must not pause longer than `body_timeout` between two reads, and must
+  arrive whole within `body_deadline` of its first read (a body dripped just fast enough to
+  beat the pause bound would otherwise hold its connection for ever): 408, both timed by
+  one timer, armed only for a body that spans reads;
 - an idle keep-alive connection is closed after `keepalive_timeout` (uvicorn's own timer);
 - a connection accepted past `max_connections` open ones is answered 503 on its request.
 
@@ -64,12 +67,13 @@ class ClientLimits:
     `count(reason)` is called once per refusal (the gateway's metrics; a no-op elsewhere).
     """
 
-    __slots__ = ("_logged", "answers", "body_timeout", "count", "header_timeout",
-                 "max_connections", "max_header_bytes", "max_headers")
+    __slots__ = ("_logged", "answers", "body_deadline", "body_timeout", "count",
+                 "header_timeout", "max_connections", "max_header_bytes", "max_headers")
 
     def __init__(self, cfg: LimitsConfig, count: Callable[[str], None] | None = None) -> None:
         self.max_header_bytes, self.max_headers = cfg.max_header_bytes, cfg.max_headers
         self.header_timeout, self.body_timeout = cfg.header_timeout, cfg.body_timeout
+        self.body_deadline = cfg.body_deadline
         self.max_connections = cfg.max_connections
         self.count = count or _ignore
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last line at, unlogged)
@@ -84,6 +88,9 @@ class ClientLimits:
             "body_timeout": _answer(RequestTimeout(
                 f"request body paused for more than {cfg.body_timeout:g}s; "
                 "send it without pauses")),
+            "body_deadline": _answer(RequestTimeout(
+                f"request body not received whole within {cfg.body_deadline:g}s; "
+                "send it faster or send less")),
             "connection_limit": _answer(TooManyConnections(
                 f"more than {cfg.max_connections} open connections; retry after 1s", 1)),
         }

@@ -66,6 +66,7 @@ CLIENT_REJECTIONS = (
     "header_count",  # 431: more than limits.max_headers header fields
     "header_timeout",  # 408 (or a silent close) after limits.header_timeout
     "body_timeout",  # 408: no body bytes for limits.body_timeout
+    "body_deadline",  # 408: the body not whole within limits.body_deadline of its first read
     "body_too_large",  # 413: over max_body_bytes, by Content-Length or as it arrived
     "invalid_header",  # 400: two Authorization headers, an X-Request-Id too long, or an
     # x-kneegate-ttft-ms that is not a positive number

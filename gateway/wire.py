@@ -212,6 +212,7 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         self._head_timer: TimerHandle | None = None
         self._body_timer: TimerHandle | None = None
         self._body_seen = 0.0  # loop time of the last read of the request body
+        self._body_due = 0.0  # loop time by which the whole body must have arrived
         self._reading_body = False
         self._over_cap = False
         self._lingering = False
@@ -260,9 +261,13 @@ class KneegateHttpProtocol(HttpToolsProtocol):
             self._head_timer = self.loop.call_later(
                 self._limits.header_timeout, self._head_timed_out)
         if self._reading_body and self._body_timer is None and not self._lingering:
-            self._body_seen = self.loop.time()
+            # a body that spans reads (one that came whole, as most do, costs no timer):
+            # one timer for both bounds, the pause between reads and the whole deadline
+            limits = self._limits
+            self._body_seen = now = self.loop.time()
+            self._body_due = now + limits.body_deadline
             self._body_timer = self.loop.call_later(
-                self._limits.body_timeout, self._body_timed_out)
+                min(limits.body_timeout, limits.body_deadline), self._body_timed_out)
 
     def _head_overflow(self, data: bytes, room: int) -> None:
         # The head would outgrow its limit within this read: parse only what fits. If the
@@ -360,11 +365,16 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         if not self._reading_body or self._lingering or self.transport.is_closing():
             return
         timeout, now = self._limits.body_timeout, self.loop.time()
-        if self.flow.read_paused:  # we stopped reading (the app has not taken the body yet)
+        paused = self.flow.read_paused  # we stopped reading (the app has not taken it yet)
+        if paused:  # not the client's doing: neither bound runs out while we do not read
             self._body_seen = now
-        left = self._body_seen + timeout - now
+        if now >= self._body_due and not paused:
+            self._refuse("body_deadline")
+            return
+        left, due = self._body_seen + timeout - now, self._body_due - now
         if left > 0:
-            self._body_timer = self.loop.call_later(left, self._body_timed_out)
+            self._body_timer = self.loop.call_later(
+                min(left, due) if due > 0 else left, self._body_timed_out)
             return
         self._refuse("body_timeout")
 

@@ -291,6 +291,49 @@ async def test_slow_body_gets_408_and_a_steady_one_does_not() -> None:
         assert_conserved(gw.metrics())
 
 
+async def _drip(writer: asyncio.StreamWriter, data: bytes, every: float = 0.05) -> None:
+    """Send `data` two bytes at a time, `every` seconds apart: never a pause the per-read
+    bound sees, however long the whole takes."""
+    for i in range(0, len(data), 2):
+        await _send_ignoring_reset(writer, data[i:i + 2])
+        await asyncio.sleep(every)
+
+
+async def _served(gw: Gw) -> int:
+    reader, writer = await gw.connect()
+    writer.write(_request(body=b'{"max_tokens": 1}', headers=["connection: close"]))
+    status, _, _ = _parse(await _until_eof(reader))
+    writer.close()
+    return status
+
+
+async def test_a_body_dripped_past_the_whole_body_deadline_gets_408() -> None:
+    # every pause is well under body_timeout, but the whole body takes longer than
+    # body_deadline: the per-read bound alone would hold the connection for ever
+    async with _gw(body_timeout=0.3, body_deadline=0.5) as gw:
+        reader, writer = await gw.connect()
+        raw = _request(body=b'{"max_tokens": 1, "prompt": "' + b"x" * 400 + b'"}')
+        cut = raw.index(b"\r\n\r\n") + 4
+        writer.write(raw[:cut])
+        dripping = asyncio.create_task(_drip(writer, raw[cut:]))
+        t0 = time.monotonic()
+        assert await _served(gw) == 200  # another client, meanwhile: served as usual
+        status, headers, body = _parse(await _until_eof(reader, bound=2.0))
+        elapsed = time.monotonic() - t0
+        dripping.cancel()
+        writer.close()
+        assert status == 408 and headers["connection"] == "close"
+        assert _error_code(body) == "request_timeout"
+        assert b"within 0.5s" in body
+        assert 0.4 < elapsed < 1.5
+        assert gw.rejected("body_deadline") == 1 and gw.rejected("body_timeout") == 0
+        assert gw.engine.requests == 1  # only the other client's
+        m = gw.metrics()
+        assert_conserved(m)
+        assert total(m, "kneegate_requests_received_total") == 1
+        assert await _served(gw) == 200  # and after
+
+
 @pytest.mark.parametrize("relay", ["send"], indirect=True)
 async def test_with_the_relay_off_a_slow_body_is_still_cut_and_counted(relay: str) -> None:
     # uvicorn's request cycle is not what wire.py reads: it cannot tell whether a response
