@@ -9,6 +9,7 @@
         │   ├── QueueTimeout       503 queue_timeout
         │   ├── NoUpstream         503 no_upstream
         │   ├── TooManyConnections 503 too_many_connections: over limits.max_connections
+        │   │   └── ClientConnectionLimit  the same, over limits.max_connections_per_client
         │   ├── ShuttingDown       503 shutting_down: the gateway is draining
         │   └── TenantQuota        429 tenant_quota: the tenant is at its own cap
         ├── InvalidPath        400: '%2F', '%5C' or '\\' in the path (ambiguous)
@@ -45,6 +46,7 @@ from kneegate.gateway.types import Send
 
 __all__ = [
     "BodyTooLarge",
+    "ClientConnectionLimit",
     "ConfigError",
     "ContextTooLong",
     "HTTPError",
@@ -139,6 +141,10 @@ class NoUpstream(Rejection):
 
 class TooManyConnections(Rejection):
     status, type, code, reason = 503, "server_error", "too_many_connections", "connection_limit"
+
+
+class ClientConnectionLimit(TooManyConnections):
+    reason = "client_connection_limit"
 
 
 class ShuttingDown(Rejection):

@@ -15,7 +15,10 @@ at most one timer per connection and phase:
   beat the pause bound would otherwise hold its connection for ever): 408, both timed by
   one timer, armed only for a body that spans reads;
 - an idle keep-alive connection is closed after `keepalive_timeout` (uvicorn's own timer);
-- a connection accepted past `max_connections` open ones is answered 503 on its request.
+- a connection accepted past `max_connections` open ones is answered 503 on its request,
+  and so is one past `max_connections_per_client` open ones from its client's address (one
+  address must not take every connection; the table holds only addresses with a connection
+  open, so it is never larger than the connections themselves).
 
 Each refusal is counted (`kneegate_client_rejections_total{reason}`), answered with the
 OpenAI-style body and `connection: close`, and the connection is then closed the way nginx
@@ -35,6 +38,7 @@ from http import HTTPStatus
 
 from kneegate.gateway.config_sections import LimitsConfig
 from kneegate.gateway.errors import (
+    ClientConnectionLimit,
     HeadersTooLarge,
     HTTPError,
     RequestTimeout,
@@ -68,13 +72,16 @@ class ClientLimits:
     """
 
     __slots__ = ("_logged", "answers", "body_deadline", "body_timeout", "count",
-                 "header_timeout", "max_connections", "max_header_bytes", "max_headers")
+                 "header_timeout", "max_connections", "max_header_bytes", "max_headers",
+                 "open_by_client", "per_client")
 
     def __init__(self, cfg: LimitsConfig, count: Callable[[str], None] | None = None) -> None:
         self.max_header_bytes, self.max_headers = cfg.max_header_bytes, cfg.max_headers
         self.header_timeout, self.body_timeout = cfg.header_timeout, cfg.body_timeout
         self.body_deadline = cfg.body_deadline
         self.max_connections = cfg.max_connections
+        self.per_client = cfg.per_client_connections
+        self.open_by_client: dict[str, int] = {}  # address -> its connections open now
         self.count = count or _ignore
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last line at, unlogged)
         self.answers: dict[str, bytes] = {
@@ -93,7 +100,22 @@ class ClientLimits:
                 "send it faster or send less")),
             "connection_limit": _answer(TooManyConnections(
                 f"more than {cfg.max_connections} open connections; retry after 1s", 1)),
+            "client_connection_limit": _answer(ClientConnectionLimit(
+                f"more than {self.per_client} open connections from your "
+                "address; close some or retry after 1s", 1)),
         }
+
+    def opened(self, host: str) -> bool:
+        """A connection from `host` opened; True when it is over the per-client cap."""
+        n = self.open_by_client.get(host, 0) + 1
+        self.open_by_client[host] = n
+        return n > self.per_client
+
+    def closed(self, host: str) -> None:
+        """A connection `opened` from `host` closed."""
+        n = self.open_by_client.pop(host, 1) - 1
+        if n > 0:
+            self.open_by_client[host] = n
 
 
     def refused(self, reason: str, peer: str, now: float) -> None:

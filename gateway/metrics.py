@@ -73,6 +73,7 @@ CLIENT_REJECTIONS = (
     "invalid_body",  # 400: a generation request whose body is not a JSON object
     "context_length",  # 400: surely longer than the engine's context (max_model_len)
     "connection_limit",  # 503: a request on a connection over limits.max_connections
+    "client_connection_limit",  # 503: over limits.max_connections_per_client from one address
 )
 
 # Outcome -> the `outcome` label of kneegate_requests_finished_total.

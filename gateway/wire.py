@@ -214,7 +214,8 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         self._body_seen = 0.0  # loop time of the last read of the request body
         self._body_due = 0.0  # loop time by which the whole body must have arrived
         self._reading_body = False
-        self._over_cap = False
+        self._over_cap: str | None = None  # the refusal due on its request, if any
+        self._host: str | None = None  # the client's address, as `ClientLimits` counts it
         self._lingering = False
 
     # --- connection -------------------------------------------------------------------
@@ -224,12 +225,20 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         limits = self._limits
         # uvicorn counts this one in already; its own cap (limit_concurrency) also counts
         # request tasks, answers 503 text/plain, logs a line per refusal and refuses at N-1
-        self._over_cap = len(self.connections) > limits.max_connections
+        if len(self.connections) > limits.max_connections:
+            self._over_cap = "connection_limit"
+        if self.client is not None:  # a Unix socket's peers have no address to tell apart
+            self._host = self.client[0]
+            if limits.opened(self._host) and self._over_cap is None:
+                self._over_cap = "client_connection_limit"
         # nginx: the first request's head is due header_timeout after the accept
         self._head_timer = self.loop.call_later(limits.header_timeout, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        if self._host is not None:
+            self._limits.closed(self._host)
+            self._host = None
         super().connection_lost(exc)
         writers, self._writers = self._writers, None
         for w in writers or ():
@@ -310,8 +319,8 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         # counted once the head is whole: `max_header_bytes` already bounds its memory
         if len(self.headers) > self._limits.max_headers:
             raise _Refused("header_count")
-        if self._over_cap:
-            raise _Refused("connection_limit")
+        if self._over_cap is not None:
+            raise _Refused(self._over_cap)
         previous = self.cycle
         super().on_headers_complete()
         # The request's task is created above but has not run yet (call_soon), so the

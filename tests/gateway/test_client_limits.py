@@ -20,13 +20,22 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
+from helpers.gateway import (
+    FakeEngine,
+    assert_conserved,
+    gw_config,
+    scrape,
+    serve,
+    total,
+    until,
+)
 from prometheus_client import generate_latest
 from uvicorn.server import ServerState
 
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config_sections import LimitsConfig
 from kneegate.gateway.limits import ClientLimits
+from kneegate.gateway.server import QuietServer, running, uvicorn_config
 from kneegate.gateway.wire import KneegateHttpProtocol, WireConfig
 
 pytestmark = pytest.mark.anyio
@@ -381,7 +390,7 @@ async def test_huge_content_length_gets_413_before_any_body_is_read() -> None:
 
 
 async def test_connection_over_the_cap_gets_a_clear_503() -> None:
-    async with _gw(max_connections=3) as gw:
+    async with _gw(max_connections=3, max_connections_per_client=3) as gw:
         held = [await gw.connect() for _ in range(3)]
         reader, writer = await gw.connect()  # the fourth
         writer.write(_request(body=b'{"max_tokens": 1}'))
@@ -400,6 +409,57 @@ async def test_connection_over_the_cap_gets_a_clear_503() -> None:
         assert gw.rejected("connection_limit") == 1
         assert gw.engine.requests == 1
         assert_conserved(gw.metrics())
+
+
+async def test_one_address_cannot_take_every_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = FakeEngine()
+    async with serve(engine) as up:
+        app = build_app(gw_config(up, limits={"max_connections_per_client": 2}))
+        server = QuietServer(uvicorn_config(app))
+        async with running(server) as url:
+            gw = Gw(engine, app, url)
+            table = server.config.client_limits.open_by_client
+            held = [await gw.connect() for _ in range(2)]
+            await until(lambda: table.get("127.0.0.1") == 2)
+            reader, writer = await gw.connect()  # a third from the same address
+            with caplog.at_level(logging.INFO, logger="kneegate"):
+                writer.write(_request(body=b'{"max_tokens": 1}'))
+                status, headers, body = _parse(await _until_eof(reader, bound=2.0))
+            writer.close()
+            assert status == 503 and headers["connection"] == "close"
+            assert headers["retry-after"] == "1"
+            assert headers["x-kneegate-reject-reason"] == "client_connection_limit"
+            assert _error_code(body) == "too_many_connections"
+            assert b"more than 2 open connections from your address" in body
+            assert any("refused: client_connection_limit" in r.getMessage()
+                       for r in caplog.records)
+            # another address is served meanwhile, and so are the two within the cap
+            other_r, other_w = await asyncio.open_connection(
+                gw.host, gw.port, local_addr=("127.0.0.2", 0))
+            other_w.write(_request(body=b'{"max_tokens": 1}', headers=["connection: close"]))
+            assert _parse(await _until_eof(other_r))[0] == 200
+            other_w.close()
+            for r, w in held:
+                w.write(_request(body=b'{"max_tokens": 1}', headers=["connection: close"]))
+                assert _parse(await _until_eof(r))[0] == 200
+                w.close()
+            await until(lambda: not table)  # no address is kept once its connections close
+            assert await _served(gw) == 200  # the address may connect again
+            assert gw.rejected("client_connection_limit") == 1
+            assert gw.rejected("connection_limit") == 0
+            assert gw.engine.requests == 4
+            m = gw.metrics()
+            assert_conserved(m)
+            assert total(m, "kneegate_requests_received_total") == 4
+
+
+def test_the_per_client_cap_defaults_to_a_quarter_of_the_connections() -> None:
+    assert LimitsConfig().per_client_connections == 2500
+    assert LimitsConfig(max_connections=10).per_client_connections == 2
+    assert LimitsConfig(max_connections=3).per_client_connections == 1
+    assert LimitsConfig(max_connections_per_client=7).per_client_connections == 7
 
 
 # --- defect 11: HTTP/1.0 clients get close-delimited bodies --------------------------
