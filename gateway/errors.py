@@ -12,6 +12,7 @@
         │   │   └── ClientConnectionLimit  the same, over limits.max_connections_per_client
         │   ├── ShuttingDown       503 shutting_down: the gateway is draining
         │   └── TenantQuota        429 tenant_quota: the tenant is at its own cap
+        ├── MalformedRequest   400: not valid HTTP/1.1 (request line, a header, Content-Length)
         ├── InvalidPath        400: '%2F', '%5C' or '\\' in the path (ambiguous)
         ├── InvalidHeader      400: a kneegate request header with a value it cannot use
         ├── InvalidBody        400: a generation request whose body is not a JSON object
@@ -55,6 +56,7 @@ __all__ = [
     "InvalidHeader",
     "InvalidPath",
     "KneegateError",
+    "MalformedRequest",
     "MethodNotAllowed",
     "NoUpstream",
     "NotFound",
@@ -153,6 +155,10 @@ class ShuttingDown(Rejection):
 
 class TenantQuota(Rejection):
     status, type, code, reason = 429, "rate_limit_error", "tenant_quota", "tenant_quota"
+
+
+class MalformedRequest(HTTPError):
+    status, type, code = 400, "invalid_request_error", "malformed_request"
 
 
 class InvalidHeader(HTTPError):

@@ -20,6 +20,10 @@ at most one timer per connection and phase:
   address must not take every connection; the table holds only addresses with a connection
   open, so it is never larger than the connections themselves).
 
+A request the HTTP parser refuses (a malformed request line, header or Content-Length:
+not digits, signed, two different values, past 2**64) gets 400 `malformed_request` the
+same way, instead of uvicorn's plain-text 400 and a log line each.
+
 Each refusal is counted (`kneegate_client_rejections_total{reason}`), answered with the
 OpenAI-style body and `connection: close`, and the connection is then closed the way nginx
 does it ("lingering close"): the answer is flushed with a FIN, and what the client still
@@ -41,6 +45,7 @@ from kneegate.gateway.errors import (
     ClientConnectionLimit,
     HeadersTooLarge,
     HTTPError,
+    MalformedRequest,
     RequestTimeout,
     TooManyConnections,
     render,
@@ -85,6 +90,9 @@ class ClientLimits:
         self.count = count or _ignore
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last line at, unlogged)
         self.answers: dict[str, bytes] = {
+            "malformed_request": _answer(MalformedRequest(
+                "the request is not valid HTTP/1.1 (its request line, a header field or "
+                "its Content-Length); fix the client")),
             "header_bytes": _answer(HeadersTooLarge(
                 f"request line and headers exceed {cfg.max_header_bytes} bytes; "
                 "send fewer or smaller headers")),

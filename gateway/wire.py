@@ -300,9 +300,7 @@ class KneegateHttpProtocol(HttpToolsProtocol):
             if isinstance(exc.__context__, _Refused):
                 self._refuse(exc.__context__.reason)
                 return
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
+            self._refuse("malformed_request")  # OpenAI-style, counted, logged sparingly
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()

@@ -462,6 +462,71 @@ def test_the_per_client_cap_defaults_to_a_quarter_of_the_connections() -> None:
     assert LimitsConfig(max_connections_per_client=7).per_client_connections == 7
 
 
+# --- issue 44: numeric headers ------------------------------------------------------
+
+
+BAD_LENGTHS = ["abc", "-1", "+2", "2.0", "0x2", "1, 1", "1 2", "", "99999999999999999999999"]
+
+
+async def test_a_malformed_content_length_is_a_clear_400_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with _gw() as gw:
+        with caplog.at_level(logging.INFO, logger="kneegate"):
+            for value in BAD_LENGTHS:
+                reader, writer = await gw.connect()
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\n"
+                             b"content-length: " + value.encode() + b"\r\n\r\n{}")
+                status, headers, body = _parse(await _until_eof(reader))
+                writer.close()
+                assert status == 400 and headers["connection"] == "close", value
+                assert headers["content-type"] == "application/json", value
+                assert _error_code(body) == "malformed_request", value
+                assert await _served(gw) == 200  # another client, between two of them
+        assert gw.rejected("malformed_request") == len(BAD_LENGTHS)
+        lines = [r.getMessage() for r in caplog.records if "malformed_request" in r.getMessage()]
+        assert lines and "abc" not in lines[0]  # the reason, never the client's text
+        assert gw.engine.requests == len(BAD_LENGTHS)  # the other client's only
+        m = gw.metrics()
+        assert_conserved(m)
+        assert total(m, "kneegate_requests_received_total") == len(BAD_LENGTHS)
+
+
+@pytest.mark.parametrize("value", [
+    "nan", "inf", "-inf", "-5", "0", "0.0", "abc", "1e308", "1e-300", "1_000", "+5", "0x10",
+    "5ms", "3600001", "99999999999", "1.5.5", "",
+])
+async def test_a_ttft_objective_that_is_not_plain_bounded_milliseconds_is_a_400(
+    value: str,
+) -> None:
+    async with _gw() as gw:
+        reader, writer = await gw.connect()
+        writer.write(_request(body=b'{"max_tokens": 1}',
+                              headers=[f"x-kneegate-ttft-ms: {value}", "connection: close"]))
+        status, _, body = _parse(await _until_eof(reader))
+        writer.close()
+        assert status == 400
+        err = json.loads(body)["error"]
+        assert (err["code"], err["param"]) == ("invalid_header", "x-kneegate-ttft-ms")
+        assert await _served(gw) == 200  # another client: served as usual
+        assert gw.rejected("invalid_header") == 1
+        assert gw.engine.requests == 1
+        m = gw.metrics()
+        assert_conserved(m)
+        assert total(m, "kneegate_requests_received_total") == 1
+
+
+async def test_a_ttft_objective_within_bounds_is_taken_and_clamped_to_its_class() -> None:
+    async with _gw() as gw:
+        for value in ("3600000", "1500", "1000.25", " 60000 "):  # an hour: the class's 2 s applies
+            reader, writer = await gw.connect()
+            writer.write(_request(body=b'{"max_tokens": 1}', headers=[
+                f"x-kneegate-ttft-ms: {value}", "connection: close"]))
+            assert _parse(await _until_eof(reader))[0] == 200, value
+            writer.close()
+        assert total(gw.metrics(), "kneegate_client_rejections_total") == 0
+
+
 # --- defect 11: HTTP/1.0 clients get close-delimited bodies --------------------------
 
 
