@@ -45,6 +45,9 @@ FORWARDED_METHODS = frozenset({"GET", "POST", "DELETE", "HEAD", "OPTIONS"})
 ALLOW = b"GET, POST, DELETE, HEAD, OPTIONS"
 PROXIED_EXACT = frozenset({b"/tokenize", b"/detokenize", b"/version"})
 _DOT = re.compile(rb"%2[eE]")
+# after %2E is decoded: a dot segment with a parameter ('..;x', Tomcat's matrix form, or
+# its ';' encoded) that an engine could strip to '..', or a '.', '/' or '\\' encoded twice
+_AMBIGUOUS = re.compile(rb"/\.{1,2}(?:;|%3[bB])|%25(?:2[eEfF]|5[cC])")
 
 # RFC 9110 §7.6.1 connection-specific fields, plus what the client library recomputes.
 HOP_BY_HOP = frozenset({
@@ -121,13 +124,19 @@ def normalise_path(raw: bytes) -> bytes:
 
     Other escapes stay as sent: decoding %65 could complete a new escape ('%2%65' is
     '%2e' for an engine that decodes once). After this no segment of the path decodes to
-    '.' or '..' for the engine. An encoded '/' or '\\' and a bare '\\' raise InvalidPath:
-    servers disagree on whether they separate segments (Envoy rejects them the same way).
+    '.' or '..' for the engine. Raise InvalidPath where servers disagree on what a path
+    means (Envoy rejects these the same way): an encoded '/' or '\\', a bare '\\', a dot
+    segment with a parameter ('/..;/', which Tomcat-style servers read as '/../'), and a
+    '.', '/' or '\\' encoded twice ('%252e', which a server that decodes twice reads as '.').
     """
     low = raw.lower()
     if b"%2f" in low or b"%5c" in low or b"\\" in raw:
         raise InvalidPath("the path contains an encoded '/' or a '\\'; send it unencoded")
-    return remove_dot_segments(_DOT.sub(b".", raw))
+    path = _DOT.sub(b".", raw)
+    if _AMBIGUOUS.search(path):
+        raise InvalidPath("the path has a dot segment with a ';' parameter or a character "
+                          "encoded twice; send it plain")
+    return remove_dot_segments(path)
 
 
 def remove_dot_segments(path: bytes) -> bytes:

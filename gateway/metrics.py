@@ -71,6 +71,9 @@ CLIENT_REJECTIONS = (
     "body_too_large",  # 413: over max_body_bytes, by Content-Length or as it arrived
     "invalid_header",  # 400: two Authorization headers, an X-Request-Id too long, or an
     # x-kneegate-ttft-ms that is not a decimal number of ms in (0, 3600000]
+    "invalid_path",  # 400 / 404: a path that had to be normalised and is refused (app.py)
+    "not_found",  # 404: neither a proxied path nor one of the gateway's own
+    "method_not_allowed",  # 405: a method the path does not take
     "invalid_body",  # 400: a generation request whose body is not a JSON object
     "context_length",  # 400: surely longer than the engine's context (max_model_len)
     "connection_limit",  # 503: a request on a connection over limits.max_connections
