@@ -13,6 +13,7 @@
         │   ├── ShuttingDown       503 shutting_down: the gateway is draining
         │   └── TenantQuota        429 tenant_quota: the tenant is at its own cap
         ├── MalformedRequest   400: not valid HTTP/1.1 (request line, a header, Content-Length)
+        ├── UpgradeNotSupported 400: asks to switch protocols (WebSocket, h2c): never proxied
         ├── InvalidPath        400: '%2F', '%5C' or '\\' in the path (ambiguous)
         ├── InvalidHeader      400: a kneegate request header with a value it cannot use
         ├── InvalidBody        400: a generation request whose body is not a JSON object
@@ -69,6 +70,7 @@ __all__ = [
     "TenantQuota",
     "TooManyConnections",
     "Unauthorized",
+    "UpgradeNotSupported",
     "UpstreamConnectError",
     "UpstreamConnectTimeout",
     "UpstreamError",
@@ -159,6 +161,10 @@ class TenantQuota(Rejection):
 
 class MalformedRequest(HTTPError):
     status, type, code = 400, "invalid_request_error", "malformed_request"
+
+
+class UpgradeNotSupported(HTTPError):
+    status, type, code = 400, "invalid_request_error", "upgrade_not_supported"
 
 
 class InvalidHeader(HTTPError):

@@ -24,6 +24,13 @@ A request the HTTP parser refuses (a malformed request line, header or Content-L
 not digits, signed, two different values, past 2**64) gets 400 `malformed_request` the
 same way, instead of uvicorn's plain-text 400 and a log line each.
 
+A request that asks to switch protocols (`Connection: upgrade` with an `Upgrade` header:
+WebSocket, h2c) gets 400 `upgrade_not_supported` before the app sees it: it is never
+proxied and never holds a slot (the bytes after its head would be the new protocol's, so
+the connection cannot go on as HTTP/1.1; Envoy refuses upgrades it is not configured for
+the same way). An `Upgrade` header without `Connection: upgrade` means nothing (RFC 9110
+§7.8): such a request is served, and the header is not forwarded (hop-by-hop).
+
 Each refusal is counted (`kneegate_client_rejections_total{reason}`), answered with the
 OpenAI-style body and `connection: close`, and the connection is then closed the way nginx
 does it ("lingering close"): the answer is flushed with a FIN, and what the client still
@@ -48,6 +55,7 @@ from kneegate.gateway.errors import (
     MalformedRequest,
     RequestTimeout,
     TooManyConnections,
+    UpgradeNotSupported,
     render,
 )
 
@@ -90,6 +98,9 @@ class ClientLimits:
         self.count = count or _ignore
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last line at, unlogged)
         self.answers: dict[str, bytes] = {
+            "upgrade": _answer(UpgradeNotSupported(
+                "kneegate does not switch protocols (Upgrade: WebSocket, h2c, ...); send "
+                "plain HTTP/1.1 without 'Connection: upgrade'")),
             "malformed_request": _answer(MalformedRequest(
                 "the request is not valid HTTP/1.1 (its request line, a header field or "
                 "its Content-Length); fix the client")),

@@ -63,6 +63,7 @@ __all__ = ["CLIENT_REJECTIONS", "FINISHED", "GatewayMetrics", "LiveUpstream"]
 # The `reason` label of kneegate_client_rejections_total (each series exists from the start).
 CLIENT_REJECTIONS = (
     "malformed_request",  # 400: the HTTP parser refused it (e.g. a malformed Content-Length)
+    "upgrade",  # 400: Connection: upgrade (WebSocket, h2c): never proxied
     "header_bytes",  # 431: request line plus headers over limits.max_header_bytes
     "header_count",  # 431: more than limits.max_headers header fields
     "header_timeout",  # 408 (or a silent close) after limits.header_timeout

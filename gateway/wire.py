@@ -302,10 +302,9 @@ class KneegateHttpProtocol(HttpToolsProtocol):
                 return
             self._refuse("malformed_request")  # OpenAI-style, counted, logged sparingly
         except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+            # only CONNECT gets here (an Upgrade request is refused at its head): its
+            # request went to the app, which answers 405; what follows its head is dropped
+            pass
 
     # --- parser callbacks -------------------------------------------------------------
 
@@ -319,6 +318,9 @@ class KneegateHttpProtocol(HttpToolsProtocol):
             raise _Refused("header_count")
         if self._over_cap is not None:
             raise _Refused(self._over_cap)
+        # Connection: upgrade with an Upgrade header (rare: one C call for the rest)
+        if self.parser.should_upgrade() and any(k == b"upgrade" for k, _ in self.headers):
+            raise _Refused("upgrade")
         previous = self.cycle
         super().on_headers_complete()
         # The request's task is created above but has not run yet (call_soon), so the

@@ -527,6 +527,65 @@ async def test_a_ttft_objective_within_bounds_is_taken_and_clamped_to_its_class(
         assert total(gw.metrics(), "kneegate_client_rejections_total") == 0
 
 
+# --- issue 44: requests to switch protocols --------------------------------------------
+
+
+UPGRADES = {
+    "websocket": ("GET", "/v1/realtime", ["upgrade: websocket", "connection: Upgrade",
+                                          "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==",
+                                          "sec-websocket-version: 13"], b""),
+    "h2c": ("GET", "/v1/models", ["upgrade: h2c", "connection: Upgrade, HTTP2-Settings",
+                                  "http2-settings: AAMAAABkAARAAAAAAAIAAAAA"], b""),
+    "post-with-body": ("POST", "/v1/completions", ["upgrade: foo", "connection: upgrade"],
+                       b'{"max_tokens": 1}'),
+    "to-an-own-endpoint": ("GET", "/metrics", ["upgrade: websocket", "connection: upgrade"],
+                           b""),
+}
+
+
+@pytest.mark.parametrize("form", list(UPGRADES))
+async def test_a_request_to_switch_protocols_is_refused_and_never_proxied(
+    relay: str, form: str,
+) -> None:
+    method, path, head, body = UPGRADES[form]
+    engine = FakeEngine(interval=0.05)
+    async with _gw(engine) as gw:
+        # a stream of another client's runs throughout
+        other_r, other_w = await gw.connect()
+        other_w.write(_request(body=b'{"max_tokens": 8, "stream": true}',
+                               headers=["connection: close"]))
+        with anyio.fail_after(5):
+            await engine.started.wait()
+        reader, writer = await gw.connect()
+        writer.write(_request(method, path, body=body, headers=head))
+        status, headers, answer = _parse(await _until_eof(reader))
+        writer.close()
+        assert status == 400 and headers["connection"] == "close"
+        assert _error_code(answer) == "upgrade_not_supported"
+        m = gw.metrics()
+        assert total(m, "kneegate_in_flight") == 1  # the other client's only: no slot held
+        assert gw.rejected("upgrade") == 1
+        status, _, streamed = _parse(await _until_eof(other_r))
+        other_w.close()
+        assert status == 200 and b"data: [DONE]" in streamed  # unchanged
+        assert engine.requests == 1
+        m = gw.metrics()
+        assert_conserved(m)
+        assert total(m, "kneegate_requests_received_total") == 1
+
+
+async def test_an_upgrade_header_without_connection_upgrade_is_served_and_not_forwarded(
+) -> None:
+    async with _gw() as gw:
+        reader, writer = await gw.connect()
+        writer.write(_request(body=b'{"max_tokens": 1}',
+                              headers=["upgrade: websocket", "connection: close"]))
+        assert _parse(await _until_eof(reader))[0] == 200
+        writer.close()
+        assert "upgrade" not in gw.engine.last_headers
+        assert gw.rejected("upgrade") == 0
+
+
 # --- defect 11: HTTP/1.0 clients get close-delimited bodies --------------------------
 
 
