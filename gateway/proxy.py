@@ -366,8 +366,12 @@ class Proxy:
         # requests ends). Read whole (it is small) to tell it from other 503s; relayed from
         # memory when it stands.
         while resp.status == 503 and small_body(resp.headers):
-            with upstream_errors(permit.upstream.url):
-                refusal = await resp.read_all()
+            try:
+                with upstream_errors(permit.upstream.url):
+                    refusal = await resp.read_all()
+            except BaseException:  # cancelled (client gone, deadline) or broken mid-body:
+                resp.close()  # not returned to `_serve`, so closed here, never leaked
+                raise
             resp.release()
             if VALVE not in refusal or not await self.gate.retry_refused(
                     permit, self._sample(permit, Outcome.UPSTREAM_OVERLOADED, None)):
