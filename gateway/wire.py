@@ -31,18 +31,24 @@ uvicorn's RequestResponseCycle, which is not a public API (`CYCLE_NEEDS`). The f
 a process serves is probed for them, once (`probe`): if one is missing or of another type
 (a newer uvicorn), one warning is logged and every response of the process goes through
 plain ASGI `send` (the proxy then watches `receive()` for disconnects, as on any other ASGI
-server; correct, with more CPU per streamed event); HTTP/1.0 clients then get uvicorn's
-own framing, and a refusal on a connection that already has a request cycle closes it
-without an answer (its state cannot be read). The client limits replace the protocol's
-`data_received` and call a few of its methods; tests/gateway/test_wire.py and
-test_client_limits.py run all of it on the real server, and CI runs the suite on the
-newest uvicorn too. Without this protocol (any other ASGI server) the proxy relays through
-`send`, and the limits are that server's own.
+server; correct, with more CPU per streamed event). On that fallback every client limit
+is still enforced and counted, with one difference, which the warning states: HTTP/1.0
+clients get uvicorn's own framing, and a refusal on a connection that already has a
+request cycle (the body of the request under way: `body_timeout`, `body_deadline`, a
+malformed chunk; or the head of a later request on a keep-alive connection) closes it
+without an answer, since whether a response started cannot be read. The environment
+variable `KNEEGATE_WIRE_FALLBACK=1` forces the fallback (`FALLBACK_ENV`). The client
+limits replace the protocol's `data_received` and call a few of its methods;
+tests/gateway/test_wire.py and test_client_limits.py run all of it on the real server, and
+CI runs them on the fallback and the suite on the newest uvicorn too. Without this
+protocol (any other ASGI server) the proxy relays through `send`, and the limits are that
+server's own.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from asyncio import TimerHandle, Transport
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -56,10 +62,12 @@ from kneegate.gateway.http10 import CloseDelimitedCycle
 from kneegate.gateway.limits import ClientLimits
 
 __all__ = [
-    "CYCLE_NEEDS", "EXTENSION", "BodyWriter", "KneegateHttpProtocol", "WireConfig", "probe",
+    "CYCLE_NEEDS", "EXTENSION", "FALLBACK_ENV", "BodyWriter", "KneegateHttpProtocol",
+    "WireConfig", "probe",
 ]
 
 EXTENSION = "kneegate.body_writer"
+FALLBACK_ENV = "KNEEGATE_WIRE_FALLBACK"  # "1": as if the probe failed (CI runs tests so)
 LINGER = 5.0  # seconds a refused client's further input is read and dropped (nginx: 5 s)
 
 log = logging.getLogger("kneegate")
@@ -424,12 +432,16 @@ class KneegateHttpProtocol(HttpToolsProtocol):
 def _probe_once(cycle: RequestResponseCycle) -> bool:
     """Probe the first request cycle of the process; warn once when the relay is off."""
     wrong = probe(cycle)
+    if os.environ.get(FALLBACK_ENV) == "1":
+        wrong.append(f"{FALLBACK_ENV}=1")
     KneegateHttpProtocol.relay = not wrong
     if wrong:
         log.warning(
             "uvicorn %s: its request cycle is not what kneegate's push relay reads (%s); "
-            "relaying through ASGI send instead (correct; more CPU per streamed event)",
-            uvicorn.__version__, ", ".join(wrong))
+            "relaying through ASGI send instead (correct; more CPU per streamed event). "
+            "Client limits still cut and count, but a refusal on a connection with a "
+            "request under way (a slow or late body, a later keep-alive request's head) "
+            "closes it without an answer", uvicorn.__version__, ", ".join(wrong))
     return not wrong
 
 
