@@ -41,6 +41,7 @@ from functools import partial
 from kneegate.controllers.base import Outcome, Sample
 from kneegate.gateway.access import AccessLog
 from kneegate.gateway.admission_types import TenantPolicy
+from kneegate.gateway.config_upstream import public_url
 from kneegate.gateway.errors import (
     BodyTooLarge,
     ContextTooLong,
@@ -446,7 +447,7 @@ class Proxy:
             if up.healthy:  # else `_open` marked it already, or a probe is under way
                 self._unreachable(up, exc)
         else:
-            log.warning("upstream %s (%s) failed request %s: %s (%r)", up.name, up.url,
+            log.warning("upstream %s (%s) failed request %s: %s (%r)", up.name, public_url(up.url),
                         rid.decode("latin-1"), exc.message, exc.__cause__)
         return Outcome.TIMEOUT if isinstance(exc, UpstreamTimeout) else Outcome.UPSTREAM_ERROR
 
