@@ -10,7 +10,9 @@ serves `/health`, `/ready`, `/metrics`, `/kneegate/status`, `/kneegate/history`,
 404 (OpenAI-style body) for any other path: never an open proxy. A raw path that could hide
 a dot segment ('%', '/.' or '\\' in it) is normalised first (`forwarding.proxied_path`): it is
 forwarded in its normalised form if that is a proxied path, else answered 404 (400 for
-an encoded '/' or '\\'), and never reaches the gateway's own endpoints.
+a form servers read differently: an encoded '/' or '\\', '/..;/', '%252e'), and never
+reaches the gateway's own endpoints; these refusals and the 405s are counted in
+`kneegate_client_rejections_total` (`invalid_path`, `method_not_allowed`).
 
 `Gateway` is the process's runtime: pool, queue, gate, client, metrics, the tick task, the
 live page's history (`gateway/history.py`, sampled once a second by a task of its own),
@@ -312,7 +314,7 @@ class KneegateApp:
         await self.own(scope, receive, send)
 
     async def _not_allowed(self, scope: Scope, send: Send) -> None:
-        await self._refuse(scope, send, MethodNotAllowed(
+        await self._refuse(scope, send, "method_not_allowed", MethodNotAllowed(
             f"method {scope['method']} is not allowed on {scope['path']}; "
             f"allowed: {ALLOW.decode()}", ALLOW))
 
@@ -322,10 +324,11 @@ class KneegateApp:
         try:
             target = proxied_path(raw)
         except InvalidPath as exc:
-            await self._refuse(scope, send, exc)
+            await self._refuse(scope, send, "invalid_path", exc)
             return
         if target is None:
-            await self._refuse(scope, send, NotFound(NO_ROUTE.format(scope["path"])))
+            await self._refuse(scope, send, "invalid_path",
+                               NotFound(NO_ROUTE.format(scope["path"])))
             return
         scope = {**scope, "raw_path": target}  # what the proxy forwards (`_target`)
         if scope["method"] in FORWARDED_METHODS:
@@ -333,10 +336,10 @@ class KneegateApp:
         else:
             await self._not_allowed(scope, send)
 
-    @staticmethod
-    async def _refuse(scope: Scope, send: Send, exc: HTTPError) -> None:
-        # refused before admission: not counted in the request outcomes, logged at info
+    async def _refuse(self, scope: Scope, send: Send, reason: str, exc: HTTPError) -> None:
+        # refused before admission: counted as a client rejection, logged at info
         # (raw_path as sent, repr'd and cut short: it is the attacker's text)
+        self.gateway.metrics.count_client_rejection(reason)
         raw = scope.get("raw_path") or b""
         log.info("refused %s %r: %d %s", scope["method"], raw[:200], exc.status, exc.code)
         await send_error(send, exc)

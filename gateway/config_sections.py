@@ -75,12 +75,29 @@ class LimitsConfig(Frozen):
     body_timeout: float = Field(
         60.0, gt=0, le=3600,
         description="longest silence between two reads of a request body; else 408 and close")
+    body_deadline: float = Field(
+        300.0, gt=0, le=3600,
+        description="a request body must arrive whole within this from its first read (Envoy's "
+        "request_timeout in its edge settings); else 408 and close")
     keepalive_timeout: float = Field(
         60.0, gt=0, le=3600,
         description="an idle keep-alive client connection is closed after this")
     max_connections: int = Field(
         10000, ge=1, le=1_000_000,
         description="open client connections per worker; a request on one more gets 503 and close")
+    max_connections_per_client: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="open connections per worker from one client address (nginx's "
+        "limit_conn); a request on one more gets 503 and close; null: a quarter of "
+        "max_connections (2,500 of 10,000: one address never takes them all). Behind a "
+        "proxy every connection has its address: set it to max_connections there")
+
+    @property
+    def per_client_connections(self) -> int:
+        """`max_connections_per_client`, or its default: a quarter of max_connections."""
+        if self.max_connections_per_client is not None:
+            return self.max_connections_per_client
+        return max(1, self.max_connections // 4)
     max_upstream_header_bytes: int = Field(
         65536, ge=1024, le=16 << 20,
         description="status line plus headers of one engine response, bytes; more: 502")

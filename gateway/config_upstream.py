@@ -8,15 +8,36 @@ query (`_shown`), either of which may be a secret.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kneegate.controllers.registry import CONTROLLERS
 from kneegate.gateway.config_sections import Frozen
 
-__all__ = ["TimeoutConfig", "UpstreamConfig"]
+__all__ = ["TimeoutConfig", "UpstreamConfig", "basic_auth", "public_url"]
+
+
+def public_url(url: str) -> str:
+    """`url` without its userinfo (`user:password@`): what a log line or the status page
+    may show of an engine's URL."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return url
+    return scheme + sep + netloc.rpartition("@")[2] + slash + path
+
+
+def basic_auth(url: str) -> bytes | None:
+    """The `Authorization: Basic` value for the userinfo of `url` (None: it has none).
+    Credentials in an engine's URL are its HTTP basic auth, as curl and httpx read them."""
+    parts = urlsplit(url)
+    if parts.username is None:
+        return None
+    pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+    return b"Basic " + base64.b64encode(pair.encode())
 
 
 def _shown(url: str) -> str:
@@ -35,7 +56,8 @@ class UpstreamConfig(Frozen):
     """One OpenAI-compatible engine and the controller that sets its limit."""
 
     name: str = Field(min_length=1, description="label in metrics and status")
-    url: str = Field(description="base URL, e.g. http://10.0.0.5:8000 (no path)")
+    url: str = Field(description="base URL, e.g. http://10.0.0.5:8000 (no path); a "
+                     "user:password@ in it is sent as basic auth, never as Host nor logged")
     controller: str = Field(
         "knee", description="controller name from controllers.registry; `fixed` to hand-tune")
     params: dict[str, Any] = Field(default_factory=dict, description="the controller's config")

@@ -98,13 +98,16 @@ def own_endpoints(gw: Gateway) -> Starlette:
         return _error_response(Unauthorized("admin endpoint: send 'Authorization: Bearer <token>'"))
 
     async def not_found(request: Request, exc: Exception) -> Response:
+        # counted like every other refusal before admission
         if isinstance(exc, HTTPException) and exc.status_code == 405:
+            gw.metrics.count_client_rejection("method_not_allowed")
             allow = (exc.headers or {}).get("Allow", "")
             return _error_response(MethodNotAllowed(
                 f"method {request.method} is not allowed on {request.url.path}; "
                 f"allowed: {allow}", allow.encode()))
         if isinstance(exc, HTTPException) and exc.status_code != 404:
             return Response(exc.detail, exc.status_code)
+        gw.metrics.count_client_rejection("not_found")
         return _error_response(NotFound(NO_ROUTE.format(request.url.path)))
 
     @contextlib.asynccontextmanager

@@ -9,8 +9,11 @@
         │   ├── QueueTimeout       503 queue_timeout
         │   ├── NoUpstream         503 no_upstream
         │   ├── TooManyConnections 503 too_many_connections: over limits.max_connections
+        │   │   └── ClientConnectionLimit  the same, over limits.max_connections_per_client
         │   ├── ShuttingDown       503 shutting_down: the gateway is draining
         │   └── TenantQuota        429 tenant_quota: the tenant is at its own cap
+        ├── MalformedRequest   400: not valid HTTP/1.1 (request line, a header, Content-Length)
+        ├── UpgradeNotSupported 400: asks to switch protocols (WebSocket, h2c): never proxied
         ├── InvalidPath        400: '%2F', '%5C' or '\\' in the path (ambiguous)
         ├── InvalidHeader      400: a kneegate request header with a value it cannot use
         ├── InvalidBody        400: a generation request whose body is not a JSON object
@@ -45,6 +48,7 @@ from kneegate.gateway.types import Send
 
 __all__ = [
     "BodyTooLarge",
+    "ClientConnectionLimit",
     "ConfigError",
     "ContextTooLong",
     "HTTPError",
@@ -53,6 +57,7 @@ __all__ = [
     "InvalidHeader",
     "InvalidPath",
     "KneegateError",
+    "MalformedRequest",
     "MethodNotAllowed",
     "NoUpstream",
     "NotFound",
@@ -65,6 +70,7 @@ __all__ = [
     "TenantQuota",
     "TooManyConnections",
     "Unauthorized",
+    "UpgradeNotSupported",
     "UpstreamConnectError",
     "UpstreamConnectTimeout",
     "UpstreamError",
@@ -141,12 +147,24 @@ class TooManyConnections(Rejection):
     status, type, code, reason = 503, "server_error", "too_many_connections", "connection_limit"
 
 
+class ClientConnectionLimit(TooManyConnections):
+    reason = "client_connection_limit"
+
+
 class ShuttingDown(Rejection):
     status, type, code, reason = 503, "server_error", "shutting_down", "shutting_down"
 
 
 class TenantQuota(Rejection):
     status, type, code, reason = 429, "rate_limit_error", "tenant_quota", "tenant_quota"
+
+
+class MalformedRequest(HTTPError):
+    status, type, code = 400, "invalid_request_error", "malformed_request"
+
+
+class UpgradeNotSupported(HTTPError):
+    status, type, code = 400, "invalid_request_error", "upgrade_not_supported"
 
 
 class InvalidHeader(HTTPError):

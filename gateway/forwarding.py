@@ -31,7 +31,8 @@ from kneegate.gateway.tenants import Tenants
 from kneegate.gateway.types import Scope
 
 __all__ = [
-    "ALLOW", "FORWARDED_METHODS", "HOP_BY_HOP", "PROXIED_EXACT", "REQUEST_ID_MAX", "RESPONSE_DROP",
+    "ALLOW", "FORWARDED_METHODS", "HOP_BY_HOP", "OBJECTIVE_MAX_MS", "PROXIED_EXACT",
+    "REQUEST_ID_MAX", "RESPONSE_DROP",
     "TTFT_HEADER",
     "VALVE", "ProxySettings", "ReadResponse", "content_length", "forward_headers",
     "forward_target", "is_sse", "normalise_path", "parse_objective", "proxied_path",
@@ -44,6 +45,9 @@ FORWARDED_METHODS = frozenset({"GET", "POST", "DELETE", "HEAD", "OPTIONS"})
 ALLOW = b"GET, POST, DELETE, HEAD, OPTIONS"
 PROXIED_EXACT = frozenset({b"/tokenize", b"/detokenize", b"/version"})
 _DOT = re.compile(rb"%2[eE]")
+# after %2E is decoded: a dot segment with a parameter ('..;x', Tomcat's matrix form, or
+# its ';' encoded) that an engine could strip to '..', or a '.', '/' or '\\' encoded twice
+_AMBIGUOUS = re.compile(rb"/\.{1,2}(?:;|%3[bB])|%25(?:2[eEfF]|5[cC])")
 
 # RFC 9110 §7.6.1 connection-specific fields, plus what the client library recomputes.
 HOP_BY_HOP = frozenset({
@@ -120,13 +124,19 @@ def normalise_path(raw: bytes) -> bytes:
 
     Other escapes stay as sent: decoding %65 could complete a new escape ('%2%65' is
     '%2e' for an engine that decodes once). After this no segment of the path decodes to
-    '.' or '..' for the engine. An encoded '/' or '\\' and a bare '\\' raise InvalidPath:
-    servers disagree on whether they separate segments (Envoy rejects them the same way).
+    '.' or '..' for the engine. Raise InvalidPath where servers disagree on what a path
+    means (Envoy rejects these the same way): an encoded '/' or '\\', a bare '\\', a dot
+    segment with a parameter ('/..;/', which Tomcat-style servers read as '/../'), and a
+    '.', '/' or '\\' encoded twice ('%252e', which a server that decodes twice reads as '.').
     """
     low = raw.lower()
     if b"%2f" in low or b"%5c" in low or b"\\" in raw:
         raise InvalidPath("the path contains an encoded '/' or a '\\'; send it unencoded")
-    return remove_dot_segments(_DOT.sub(b".", raw))
+    path = _DOT.sub(b".", raw)
+    if _AMBIGUOUS.search(path):
+        raise InvalidPath("the path has a dot segment with a ';' parameter or a character "
+                          "encoded twice; send it plain")
+    return remove_dot_segments(path)
 
 
 def remove_dot_segments(path: bytes) -> bytes:
@@ -212,19 +222,28 @@ def content_length(value: bytes) -> int:
     return int(digits) if len(digits) <= _LENGTH_DIGITS else 10 ** _LENGTH_DIGITS
 
 
+# x-kneegate-ttft-ms: plain decimal milliseconds (no sign, exponent, '_', 'nan' or 'inf',
+# all of which Python's float() would take), at most an hour: a class's largest objective
+_OBJECTIVE = re.compile(rb"[0-9]{1,7}(?:\.[0-9]{1,9})?")
+OBJECTIVE_MAX_MS = 3_600_000
+
+
 def parse_objective(value: bytes | None) -> float:
     """The request's own TTFT objective in seconds from `x-kneegate-ttft-ms` (inf: none).
-    It can only tighten its class's; a value that is not a positive number is a 400."""
+
+    It can only tighten its class's: a value above the class's objective is clamped to it
+    (admission takes the smaller). A value that is not a plain decimal number of
+    milliseconds in (0, OBJECTIVE_MAX_MS] is a 400 `invalid_header`, as Envoy refuses a
+    malformed `grpc-timeout`: a client that sends one has a bug, and guessing could loosen
+    or void its objective."""
     if value is None:
         return math.inf
-    try:
-        ms = float(value)
-    except ValueError:
-        ms = math.nan
-    if not (0 < ms < math.inf):
+    value = value.strip(b" \t")
+    ms = float(value) if _OBJECTIVE.fullmatch(value) else 0.0
+    if not 0 < ms <= OBJECTIVE_MAX_MS:
         raise InvalidHeader(
-            f"x-kneegate-ttft-ms must be a positive number of milliseconds, got "
-            f"{value[:32].decode('latin-1')!r}", "x-kneegate-ttft-ms")
+            f"x-kneegate-ttft-ms must be a decimal number of milliseconds above 0 and at most "
+            f"{OBJECTIVE_MAX_MS}, got {value[:32].decode('latin-1')!r}", "x-kneegate-ttft-ms")
     return ms / 1000
 
 

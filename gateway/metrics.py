@@ -62,16 +62,23 @@ __all__ = ["CLIENT_REJECTIONS", "FINISHED", "GatewayMetrics", "LiveUpstream"]
 
 # The `reason` label of kneegate_client_rejections_total (each series exists from the start).
 CLIENT_REJECTIONS = (
+    "malformed_request",  # 400: the HTTP parser refused it (e.g. a malformed Content-Length)
+    "upgrade",  # 400: Connection: upgrade (WebSocket, h2c): never proxied
     "header_bytes",  # 431: request line plus headers over limits.max_header_bytes
     "header_count",  # 431: more than limits.max_headers header fields
     "header_timeout",  # 408 (or a silent close) after limits.header_timeout
     "body_timeout",  # 408: no body bytes for limits.body_timeout
+    "body_deadline",  # 408: the body not whole within limits.body_deadline of its first read
     "body_too_large",  # 413: over max_body_bytes, by Content-Length or as it arrived
     "invalid_header",  # 400: two Authorization headers, an X-Request-Id too long, or an
-    # x-kneegate-ttft-ms that is not a positive number
+    # x-kneegate-ttft-ms that is not a decimal number of ms in (0, 3600000]
+    "invalid_path",  # 400 / 404: a path that had to be normalised and is refused (app.py)
+    "not_found",  # 404: neither a proxied path nor one of the gateway's own
+    "method_not_allowed",  # 405: a method the path does not take
     "invalid_body",  # 400: a generation request whose body is not a JSON object
     "context_length",  # 400: surely longer than the engine's context (max_model_len)
     "connection_limit",  # 503: a request on a connection over limits.max_connections
+    "client_connection_limit",  # 503: over limits.max_connections_per_client from one address
 )
 
 # Outcome -> the `outcome` label of kneegate_requests_finished_total.

@@ -41,6 +41,7 @@ from functools import partial
 from kneegate.controllers.base import Outcome, Sample
 from kneegate.gateway.access import AccessLog
 from kneegate.gateway.admission_types import TenantPolicy
+from kneegate.gateway.config_upstream import public_url
 from kneegate.gateway.errors import (
     BodyTooLarge,
     ContextTooLong,
@@ -366,8 +367,12 @@ class Proxy:
         # requests ends). Read whole (it is small) to tell it from other 503s; relayed from
         # memory when it stands.
         while resp.status == 503 and small_body(resp.headers):
-            with upstream_errors(permit.upstream.url):
-                refusal = await resp.read_all()
+            try:
+                with upstream_errors(permit.upstream.url):
+                    refusal = await resp.read_all()
+            except BaseException:  # cancelled (client gone, deadline) or broken mid-body:
+                resp.close()  # not returned to `_serve`, so closed here, never leaked
+                raise
             resp.release()
             if VALVE not in refusal or not await self.gate.retry_refused(
                     permit, self._sample(permit, Outcome.UPSTREAM_OVERLOADED, None)):
@@ -442,7 +447,7 @@ class Proxy:
             if up.healthy:  # else `_open` marked it already, or a probe is under way
                 self._unreachable(up, exc)
         else:
-            log.warning("upstream %s (%s) failed request %s: %s (%r)", up.name, up.url,
+            log.warning("upstream %s (%s) failed request %s: %s (%r)", up.name, public_url(up.url),
                         rid.decode("latin-1"), exc.message, exc.__cause__)
         return Outcome.TIMEOUT if isinstance(exc, UpstreamTimeout) else Outcome.UPSTREAM_ERROR
 

@@ -90,6 +90,7 @@ def uvicorn_config(
         loop="uvloop",
         http=http,
         lifespan="on",
+        ws="none",  # never a WebSocket: an Upgrade request is refused (gateway/limits.py)
         access_log=False,  # ours is written by the proxy (gateway/access.py), with its outcome
         log_config=None,  # no handler of uvicorn's own: its records go to ours (gateway/logs.py)
         proxy_headers=False,  # we are the proxy: the peer's address is the client's

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kneegate.gateway.config_upstream import basic_auth, public_url
 from kneegate.gateway.errors import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
@@ -55,7 +56,10 @@ def upstream_error(url: str, exc: BaseException) -> UpstreamError:
             ...
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(url, exc) from exc
+
+    A URL's userinfo never reaches the message (it is for the log).
     """
+    url = public_url(url)
     if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"upstream {url} timed out", "timed out")
     if isinstance(exc, OSError):
@@ -82,11 +86,16 @@ class upstream_errors:
             raise upstream_error(self.url, exc) from exc
 
 
-def _origin(base: str) -> tuple[Origin, bytes]:
+def _origin(base: str) -> tuple[Origin, bytes, bytes | None, str]:
+    """What requests to `base` need, once per base: the connection key, the Host header
+    (the netloc without userinfo), the basic auth its userinfo gives (None: none) and the
+    URL as errors may show it."""
     parts = urlsplit(base)
     tls = parts.scheme == "https"
     port = parts.port or (443 if tls else 80)
-    return (parts.hostname or "localhost", port, tls), parts.netloc.encode("idna")
+    host = parts.netloc.rpartition("@")[2].encode("idna")
+    return ((parts.hostname or "localhost", port, tls), host, basic_auth(base),
+            public_url(base))
 
 
 class UpstreamClient:
@@ -102,7 +111,7 @@ class UpstreamClient:
         # idle keep-alive connections per origin; a dict as an ordered set: O(1) removal
         # when the engine closes one, and the most recently used is reused first
         self._idle: dict[Origin, dict[UpstreamConnection, None]] = {}
-        self._origins: dict[str, tuple[Origin, bytes]] = {}
+        self._origins: dict[str, tuple[Origin, bytes, bytes | None, str]] = {}
         self._ssl: ssl.SSLContext | None = None
 
     def set_connect_timeout(self, seconds: float) -> None:
@@ -166,14 +175,18 @@ class UpstreamClient:
         """Send `method target` to the engine at `base`; return once its headers arrived.
 
         `target` (path and query) is sent as it is, already percent-encoded; `headers`
-        (raw ASGI pairs) must not include Host or Content-Length.
+        (raw ASGI pairs) must not include Host or Content-Length. When `base` has userinfo
+        it is sent as `Authorization: Basic`, in place of any Authorization in `headers`.
         """
         origin = self._origins.get(base)
         if origin is None:
             origin = self._origins[base] = _origin(base)
-        key, netloc = origin
-        url = base + target.decode("latin-1")
+        key, netloc, auth, shown = origin
+        url = shown + target.decode("latin-1")
         head = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (method.encode(), target, netloc)]
+        if auth is not None:  # the engine's own credentials (rare: no cost otherwise)
+            headers = [(k, v) for k, v in headers if k != b"authorization"]
+            head.append(b"authorization: %s\r\n" % auth)
         head += [b"%s: %s\r\n" % kv for kv in headers]
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             head.append(b"content-length: %d\r\n" % len(body))
@@ -211,6 +224,7 @@ class UpstreamClient:
     async def get_text(self, url: str, timeout: float, max_bytes: int = 8 << 20
                        ) -> tuple[int, str]:
         """A small GET for health probes and metric scrapes; at most `max_bytes` of body."""
+        shown = public_url(url)
         try:
             async with asyncio.timeout(timeout):
                 parts = urlsplit(url)
@@ -219,11 +233,12 @@ class UpstreamClient:
                 resp = await self.open("GET", base, target.encode(), [(b"accept", b"*/*")], b"")
                 try:
                     with upstream_errors(url):
-                        body = await _read_at_most(resp, max_bytes, url)
+                        body = await _read_at_most(resp, max_bytes, shown)
                 finally:
                     resp.release()
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"GET {url} took longer than {timeout:g}s", "timed out") from exc
+            raise UpstreamTimeout(f"GET {shown} took longer than {timeout:g}s",
+                                  "timed out") from exc
         return resp.status, body.decode("utf-8", "replace")
 
 

@@ -70,7 +70,7 @@ from typing import Any
 from kneegate.controllers.base import EngineStats, LimitController
 from kneegate.controllers.registry import build_controller
 from kneegate.gateway.admission_types import UpstreamState
-from kneegate.gateway.config_upstream import UpstreamConfig
+from kneegate.gateway.config_upstream import UpstreamConfig, public_url
 from kneegate.gateway.probe import probe, scrape
 from kneegate.gateway.telemetry import Progress, Telemetry
 from kneegate.gateway.types import Clock
@@ -132,7 +132,7 @@ class Upstream(UpstreamState):
     def status(self, now: float) -> dict[str, Any]:
         return {
             "name": self.name,
-            "url": self.url,
+            "url": public_url(self.url),
             "usable": self.usable,
             "healthy": self.healthy,
             "confirmed": self.confirmed,
@@ -264,7 +264,8 @@ class UpstreamPool:
         (which reads its models again: a replaced engine may serve others)."""
         up.models = None
         if up.healthy:
-            log.warning("upstream %s unusable: %s; probing %s", up.name, why, up.url)
+            log.warning("upstream %s unusable: %s; probing %s", up.name, why,
+                        public_url(up.url))
             up.backoff = _BACKOFF_MIN
         up.healthy = False
         up.refresh_usable()
@@ -352,7 +353,7 @@ class UpstreamPool:
     def detected(up: Upstream, cfg: UpstreamConfig) -> None:
         """A detecting scrape found vLLM series: scraped from now on."""
         log.info("upstream %s: %s shows vLLM series; scraping it every %gs", up.name,
-                 cfg.scrape_url, cfg.scrape_interval)
+                 public_url(cfg.scrape_url or ""), cfg.scrape_interval)
         up.scraping, up.progress = True, _progress(cfg)
 
     @staticmethod
@@ -360,7 +361,7 @@ class UpstreamPool:
         """A detecting scrape found no vLLM series: not scraped (see the module docstring)."""
         what = "no vLLM series" if status == 200 else f"HTTP {status}"
         log.info("upstream %s: %s answers %s; not scraped (asked again when the upstream comes "
-                 "back after a failure; `scrape: true` forces it)", up.name, url, what)
+                 "back after a failure; `scrape: true` forces it)", up.name, public_url(url), what)
         up.scraping = False
 
     def note_engine(self, up: Upstream, stats: EngineStats, now: float) -> None:

@@ -31,18 +31,24 @@ uvicorn's RequestResponseCycle, which is not a public API (`CYCLE_NEEDS`). The f
 a process serves is probed for them, once (`probe`): if one is missing or of another type
 (a newer uvicorn), one warning is logged and every response of the process goes through
 plain ASGI `send` (the proxy then watches `receive()` for disconnects, as on any other ASGI
-server; correct, with more CPU per streamed event); HTTP/1.0 clients then get uvicorn's
-own framing, and a refusal on a connection that already has a request cycle closes it
-without an answer (its state cannot be read). The client limits replace the protocol's
-`data_received` and call a few of its methods; tests/gateway/test_wire.py and
-test_client_limits.py run all of it on the real server, and CI runs the suite on the
-newest uvicorn too. Without this protocol (any other ASGI server) the proxy relays through
-`send`, and the limits are that server's own.
+server; correct, with more CPU per streamed event). On that fallback every client limit
+is still enforced and counted, with one difference, which the warning states: HTTP/1.0
+clients get uvicorn's own framing, and a refusal on a connection that already has a
+request cycle (the body of the request under way: `body_timeout`, `body_deadline`, a
+malformed chunk; or the head of a later request on a keep-alive connection) closes it
+without an answer, since whether a response started cannot be read. The environment
+variable `KNEEGATE_WIRE_FALLBACK=1` forces the fallback (`FALLBACK_ENV`). The client
+limits replace the protocol's `data_received` and call a few of its methods;
+tests/gateway/test_wire.py and test_client_limits.py run all of it on the real server, and
+CI runs them on the fallback and the suite on the newest uvicorn too. Without this
+protocol (any other ASGI server) the proxy relays through `send`, and the limits are that
+server's own.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from asyncio import TimerHandle, Transport
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -56,10 +62,12 @@ from kneegate.gateway.http10 import CloseDelimitedCycle
 from kneegate.gateway.limits import ClientLimits
 
 __all__ = [
-    "CYCLE_NEEDS", "EXTENSION", "BodyWriter", "KneegateHttpProtocol", "WireConfig", "probe",
+    "CYCLE_NEEDS", "EXTENSION", "FALLBACK_ENV", "BodyWriter", "KneegateHttpProtocol",
+    "WireConfig", "probe",
 ]
 
 EXTENSION = "kneegate.body_writer"
+FALLBACK_ENV = "KNEEGATE_WIRE_FALLBACK"  # "1": as if the probe failed (CI runs tests so)
 LINGER = 5.0  # seconds a refused client's further input is read and dropped (nginx: 5 s)
 
 log = logging.getLogger("kneegate")
@@ -212,8 +220,10 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         self._head_timer: TimerHandle | None = None
         self._body_timer: TimerHandle | None = None
         self._body_seen = 0.0  # loop time of the last read of the request body
+        self._body_due = 0.0  # loop time by which the whole body must have arrived
         self._reading_body = False
-        self._over_cap = False
+        self._over_cap: str | None = None  # the refusal due on its request, if any
+        self._host: str | None = None  # the client's address, as `ClientLimits` counts it
         self._lingering = False
 
     # --- connection -------------------------------------------------------------------
@@ -223,12 +233,20 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         limits = self._limits
         # uvicorn counts this one in already; its own cap (limit_concurrency) also counts
         # request tasks, answers 503 text/plain, logs a line per refusal and refuses at N-1
-        self._over_cap = len(self.connections) > limits.max_connections
+        if len(self.connections) > limits.max_connections:
+            self._over_cap = "connection_limit"
+        if self.client is not None:  # a Unix socket's peers have no address to tell apart
+            self._host = self.client[0]
+            if limits.opened(self._host) and self._over_cap is None:
+                self._over_cap = "client_connection_limit"
         # nginx: the first request's head is due header_timeout after the accept
         self._head_timer = self.loop.call_later(limits.header_timeout, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        if self._host is not None:
+            self._limits.closed(self._host)
+            self._host = None
         super().connection_lost(exc)
         writers, self._writers = self._writers, None
         for w in writers or ():
@@ -260,9 +278,13 @@ class KneegateHttpProtocol(HttpToolsProtocol):
             self._head_timer = self.loop.call_later(
                 self._limits.header_timeout, self._head_timed_out)
         if self._reading_body and self._body_timer is None and not self._lingering:
-            self._body_seen = self.loop.time()
+            # a body that spans reads (one that came whole, as most do, costs no timer):
+            # one timer for both bounds, the pause between reads and the whole deadline
+            limits = self._limits
+            self._body_seen = now = self.loop.time()
+            self._body_due = now + limits.body_deadline
             self._body_timer = self.loop.call_later(
-                self._limits.body_timeout, self._body_timed_out)
+                min(limits.body_timeout, limits.body_deadline), self._body_timed_out)
 
     def _head_overflow(self, data: bytes, room: int) -> None:
         # The head would outgrow its limit within this read: parse only what fits. If the
@@ -286,14 +308,11 @@ class KneegateHttpProtocol(HttpToolsProtocol):
             if isinstance(exc.__context__, _Refused):
                 self._refuse(exc.__context__.reason)
                 return
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
+            self._refuse("malformed_request")  # OpenAI-style, counted, logged sparingly
         except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+            # only CONNECT gets here (an Upgrade request is refused at its head): its
+            # request went to the app, which answers 405; what follows its head is dropped
+            pass
 
     # --- parser callbacks -------------------------------------------------------------
 
@@ -305,8 +324,11 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         # counted once the head is whole: `max_header_bytes` already bounds its memory
         if len(self.headers) > self._limits.max_headers:
             raise _Refused("header_count")
-        if self._over_cap:
-            raise _Refused("connection_limit")
+        if self._over_cap is not None:
+            raise _Refused(self._over_cap)
+        # Connection: upgrade with an Upgrade header (rare: one C call for the rest)
+        if self.parser.should_upgrade() and any(k == b"upgrade" for k, _ in self.headers):
+            raise _Refused("upgrade")
         previous = self.cycle
         super().on_headers_complete()
         # The request's task is created above but has not run yet (call_soon), so the
@@ -360,11 +382,16 @@ class KneegateHttpProtocol(HttpToolsProtocol):
         if not self._reading_body or self._lingering or self.transport.is_closing():
             return
         timeout, now = self._limits.body_timeout, self.loop.time()
-        if self.flow.read_paused:  # we stopped reading (the app has not taken the body yet)
+        paused = self.flow.read_paused  # we stopped reading (the app has not taken it yet)
+        if paused:  # not the client's doing: neither bound runs out while we do not read
             self._body_seen = now
-        left = self._body_seen + timeout - now
+        if now >= self._body_due and not paused:
+            self._refuse("body_deadline")
+            return
+        left, due = self._body_seen + timeout - now, self._body_due - now
         if left > 0:
-            self._body_timer = self.loop.call_later(left, self._body_timed_out)
+            self._body_timer = self.loop.call_later(
+                min(left, due) if due > 0 else left, self._body_timed_out)
             return
         self._refuse("body_timeout")
 
@@ -405,12 +432,16 @@ class KneegateHttpProtocol(HttpToolsProtocol):
 def _probe_once(cycle: RequestResponseCycle) -> bool:
     """Probe the first request cycle of the process; warn once when the relay is off."""
     wrong = probe(cycle)
+    if os.environ.get(FALLBACK_ENV) == "1":
+        wrong.append(f"{FALLBACK_ENV}=1")
     KneegateHttpProtocol.relay = not wrong
     if wrong:
         log.warning(
             "uvicorn %s: its request cycle is not what kneegate's push relay reads (%s); "
-            "relaying through ASGI send instead (correct; more CPU per streamed event)",
-            uvicorn.__version__, ", ".join(wrong))
+            "relaying through ASGI send instead (correct; more CPU per streamed event). "
+            "Client limits still cut and count, but a refusal on a connection with a "
+            "request under way (a slow or late body, a later keep-alive request's head) "
+            "closes it without an answer", uvicorn.__version__, ", ".join(wrong))
     return not wrong
 
 

@@ -3,19 +3,23 @@
 `relay` runs a test through both relays of kneegate's server (gateway/wire.py): the push
 relay, and plain ASGI `send`, which the server falls back to when its probe finds uvicorn's
 request cycle changed (forced here: the probe is asked for an attribute no uvicorn has).
+With `KNEEGATE_WIRE_FALLBACK=1` in the environment the whole process runs on the fallback
+(as CI does for the wire and client-limit tests): the "push" runs are skipped.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import uvicorn
 
 from kneegate.gateway import wire
-from kneegate.gateway.wire import KneegateHttpProtocol
+from kneegate.gateway.wire import FALLBACK_ENV, KneegateHttpProtocol
 
 WARNING = "relaying through ASGI send instead"
+FALLBACK = os.environ.get(FALLBACK_ENV) == "1"  # the whole run is on the fallback
 
 
 @pytest.fixture
@@ -29,6 +33,8 @@ def relay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     """Which relay carries the test's responses ("push" or "send"); the probe runs afresh.
     Ask for it before the fixtures that start servers. Afterwards it checks the relay
     was the one asked for, and that the fallback said so in exactly one warning."""
+    if FALLBACK and request.param == "push":
+        pytest.skip(f"{FALLBACK_ENV}=1: the push relay is off in this run")
     monkeypatch.setattr(KneegateHttpProtocol, "relay", None)
     if request.param == "send":
         needs = (*wire.CYCLE_NEEDS, ("renamed_by_a_newer_uvicorn", bool))

@@ -14,23 +14,34 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import pytest
-from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
+from helpers.gateway import (
+    FakeEngine,
+    assert_conserved,
+    gw_config,
+    scrape,
+    serve,
+    total,
+    until,
+)
 from prometheus_client import generate_latest
 from uvicorn.server import ServerState
 
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config_sections import LimitsConfig
 from kneegate.gateway.limits import ClientLimits
-from kneegate.gateway.wire import KneegateHttpProtocol, WireConfig
+from kneegate.gateway.server import QuietServer, running, uvicorn_config
+from kneegate.gateway.wire import FALLBACK_ENV, KneegateHttpProtocol, WireConfig
 
 pytestmark = pytest.mark.anyio
 
+FALLBACK = os.environ.get(FALLBACK_ENV) == "1"  # the run is on wire.py's fallback (CI)
 FAST: dict[str, Any] = {"header_timeout": 0.3, "body_timeout": 0.3, "keepalive_timeout": 0.3}
 
 
@@ -268,10 +279,14 @@ async def test_slow_body_gets_408_and_a_steady_one_does_not() -> None:
         # headers announce 100 bytes, 10 come, then nothing
         reader, writer = await gw.connect()
         writer.write(_request(body=b"x" * 100)[:-90])
-        status, headers, body = _parse(await _until_eof(reader, bound=2.0))
+        raw = await _until_eof(reader, bound=2.0)
         writer.close()
-        assert status == 408 and headers["connection"] == "close"
-        assert _error_code(body) == "request_timeout"
+        if not FALLBACK:  # the fallback cuts a body under way without a word (wire.py)
+            status, headers, body = _parse(raw)
+            assert status == 408 and headers["connection"] == "close"
+            assert _error_code(body) == "request_timeout"
+        else:
+            assert raw == b""
         assert gw.rejected("body_timeout") == 1
         gw.assert_untouched()
 
@@ -289,6 +304,53 @@ async def test_slow_body_gets_408_and_a_steady_one_does_not() -> None:
         assert status == 200 and gw.engine.requests == 1
         assert gw.rejected("body_timeout") == 1
         assert_conserved(gw.metrics())
+
+
+async def _drip(writer: asyncio.StreamWriter, data: bytes, every: float = 0.05) -> None:
+    """Send `data` two bytes at a time, `every` seconds apart: never a pause the per-read
+    bound sees, however long the whole takes."""
+    for i in range(0, len(data), 2):
+        await _send_ignoring_reset(writer, data[i:i + 2])
+        await asyncio.sleep(every)
+
+
+async def _served(gw: Gw) -> int:
+    reader, writer = await gw.connect()
+    writer.write(_request(body=b'{"max_tokens": 1}', headers=["connection: close"]))
+    status, _, _ = _parse(await _until_eof(reader))
+    writer.close()
+    return status
+
+
+async def test_a_body_dripped_past_the_whole_body_deadline_gets_408() -> None:
+    # every pause is well under body_timeout, but the whole body takes longer than
+    # body_deadline: the per-read bound alone would hold the connection for ever
+    async with _gw(body_timeout=0.3, body_deadline=0.5) as gw:
+        reader, writer = await gw.connect()
+        raw = _request(body=b'{"max_tokens": 1, "prompt": "' + b"x" * 400 + b'"}')
+        cut = raw.index(b"\r\n\r\n") + 4
+        writer.write(raw[:cut])
+        dripping = asyncio.create_task(_drip(writer, raw[cut:]))
+        t0 = time.monotonic()
+        assert await _served(gw) == 200  # another client, meanwhile: served as usual
+        raw = await _until_eof(reader, bound=2.0)
+        elapsed = time.monotonic() - t0
+        dripping.cancel()
+        writer.close()
+        if not FALLBACK:  # the fallback cuts a body under way without a word (wire.py)
+            status, headers, body = _parse(raw)
+            assert status == 408 and headers["connection"] == "close"
+            assert _error_code(body) == "request_timeout"
+            assert b"within 0.5s" in body
+        else:
+            assert raw == b""
+        assert 0.4 < elapsed < 1.5
+        assert gw.rejected("body_deadline") == 1 and gw.rejected("body_timeout") == 0
+        assert gw.engine.requests == 1  # only the other client's
+        m = gw.metrics()
+        assert_conserved(m)
+        assert total(m, "kneegate_requests_received_total") == 1
+        assert await _served(gw) == 200  # and after
 
 
 @pytest.mark.parametrize("relay", ["send"], indirect=True)
@@ -338,7 +400,7 @@ async def test_huge_content_length_gets_413_before_any_body_is_read() -> None:
 
 
 async def test_connection_over_the_cap_gets_a_clear_503() -> None:
-    async with _gw(max_connections=3) as gw:
+    async with _gw(max_connections=3, max_connections_per_client=3) as gw:
         held = [await gw.connect() for _ in range(3)]
         reader, writer = await gw.connect()  # the fourth
         writer.write(_request(body=b'{"max_tokens": 1}'))
@@ -359,9 +421,185 @@ async def test_connection_over_the_cap_gets_a_clear_503() -> None:
         assert_conserved(gw.metrics())
 
 
+async def test_one_address_cannot_take_every_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = FakeEngine()
+    async with serve(engine) as up:
+        app = build_app(gw_config(up, limits={"max_connections_per_client": 2}))
+        server = QuietServer(uvicorn_config(app))
+        async with running(server) as url:
+            gw = Gw(engine, app, url)
+            table = server.config.client_limits.open_by_client
+            held = [await gw.connect() for _ in range(2)]
+            await until(lambda: table.get("127.0.0.1") == 2)
+            reader, writer = await gw.connect()  # a third from the same address
+            with caplog.at_level(logging.INFO, logger="kneegate"):
+                writer.write(_request(body=b'{"max_tokens": 1}'))
+                status, headers, body = _parse(await _until_eof(reader, bound=2.0))
+            writer.close()
+            assert status == 503 and headers["connection"] == "close"
+            assert headers["retry-after"] == "1"
+            assert headers["x-kneegate-reject-reason"] == "client_connection_limit"
+            assert _error_code(body) == "too_many_connections"
+            assert b"more than 2 open connections from your address" in body
+            assert any("refused: client_connection_limit" in r.getMessage()
+                       for r in caplog.records)
+            # another address is served meanwhile, and so are the two within the cap
+            other_r, other_w = await asyncio.open_connection(
+                gw.host, gw.port, local_addr=("127.0.0.2", 0))
+            other_w.write(_request(body=b'{"max_tokens": 1}', headers=["connection: close"]))
+            assert _parse(await _until_eof(other_r))[0] == 200
+            other_w.close()
+            for r, w in held:
+                w.write(_request(body=b'{"max_tokens": 1}', headers=["connection: close"]))
+                assert _parse(await _until_eof(r))[0] == 200
+                w.close()
+            await until(lambda: not table)  # no address is kept once its connections close
+            assert await _served(gw) == 200  # the address may connect again
+            assert gw.rejected("client_connection_limit") == 1
+            assert gw.rejected("connection_limit") == 0
+            assert gw.engine.requests == 4
+            m = gw.metrics()
+            assert_conserved(m)
+            assert total(m, "kneegate_requests_received_total") == 4
+
+
+def test_the_per_client_cap_defaults_to_a_quarter_of_the_connections() -> None:
+    assert LimitsConfig().per_client_connections == 2500
+    assert LimitsConfig(max_connections=10).per_client_connections == 2
+    assert LimitsConfig(max_connections=3).per_client_connections == 1
+    assert LimitsConfig(max_connections_per_client=7).per_client_connections == 7
+
+
+# --- issue 44: numeric headers ------------------------------------------------------
+
+
+BAD_LENGTHS = ["abc", "-1", "+2", "2.0", "0x2", "1, 1", "1 2", "", "99999999999999999999999"]
+
+
+async def test_a_malformed_content_length_is_a_clear_400_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with _gw() as gw:
+        with caplog.at_level(logging.INFO, logger="kneegate"):
+            for value in BAD_LENGTHS:
+                reader, writer = await gw.connect()
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\n"
+                             b"content-length: " + value.encode() + b"\r\n\r\n{}")
+                status, headers, body = _parse(await _until_eof(reader))
+                writer.close()
+                assert status == 400 and headers["connection"] == "close", value
+                assert headers["content-type"] == "application/json", value
+                assert _error_code(body) == "malformed_request", value
+                assert await _served(gw) == 200  # another client, between two of them
+        assert gw.rejected("malformed_request") == len(BAD_LENGTHS)
+        lines = [r.getMessage() for r in caplog.records if "malformed_request" in r.getMessage()]
+        assert lines and "abc" not in lines[0]  # the reason, never the client's text
+        assert gw.engine.requests == len(BAD_LENGTHS)  # the other client's only
+        m = gw.metrics()
+        assert_conserved(m)
+        assert total(m, "kneegate_requests_received_total") == len(BAD_LENGTHS)
+
+
+@pytest.mark.parametrize("value", [
+    "nan", "inf", "-inf", "-5", "0", "0.0", "abc", "1e308", "1e-300", "1_000", "+5", "0x10",
+    "5ms", "3600001", "99999999999", "1.5.5", "",
+])
+async def test_a_ttft_objective_that_is_not_plain_bounded_milliseconds_is_a_400(
+    value: str,
+) -> None:
+    async with _gw() as gw:
+        reader, writer = await gw.connect()
+        writer.write(_request(body=b'{"max_tokens": 1}',
+                              headers=[f"x-kneegate-ttft-ms: {value}", "connection: close"]))
+        status, _, body = _parse(await _until_eof(reader))
+        writer.close()
+        assert status == 400
+        err = json.loads(body)["error"]
+        assert (err["code"], err["param"]) == ("invalid_header", "x-kneegate-ttft-ms")
+        assert await _served(gw) == 200  # another client: served as usual
+        assert gw.rejected("invalid_header") == 1
+        assert gw.engine.requests == 1
+        m = gw.metrics()
+        assert_conserved(m)
+        assert total(m, "kneegate_requests_received_total") == 1
+
+
+async def test_a_ttft_objective_within_bounds_is_taken_and_clamped_to_its_class() -> None:
+    async with _gw() as gw:
+        for value in ("3600000", "1500", "1000.25", " 60000 "):  # an hour: the class's 2 s applies
+            reader, writer = await gw.connect()
+            writer.write(_request(body=b'{"max_tokens": 1}', headers=[
+                f"x-kneegate-ttft-ms: {value}", "connection: close"]))
+            assert _parse(await _until_eof(reader))[0] == 200, value
+            writer.close()
+        assert total(gw.metrics(), "kneegate_client_rejections_total") == 0
+
+
+# --- issue 44: requests to switch protocols --------------------------------------------
+
+
+UPGRADES = {
+    "websocket": ("GET", "/v1/realtime", ["upgrade: websocket", "connection: Upgrade",
+                                          "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==",
+                                          "sec-websocket-version: 13"], b""),
+    "h2c": ("GET", "/v1/models", ["upgrade: h2c", "connection: Upgrade, HTTP2-Settings",
+                                  "http2-settings: AAMAAABkAARAAAAAAAIAAAAA"], b""),
+    "post-with-body": ("POST", "/v1/completions", ["upgrade: foo", "connection: upgrade"],
+                       b'{"max_tokens": 1}'),
+    "to-an-own-endpoint": ("GET", "/metrics", ["upgrade: websocket", "connection: upgrade"],
+                           b""),
+}
+
+
+@pytest.mark.parametrize("form", list(UPGRADES))
+async def test_a_request_to_switch_protocols_is_refused_and_never_proxied(
+    relay: str, form: str,
+) -> None:
+    method, path, head, body = UPGRADES[form]
+    engine = FakeEngine(interval=0.05)
+    async with _gw(engine) as gw:
+        # a stream of another client's runs throughout
+        other_r, other_w = await gw.connect()
+        other_w.write(_request(body=b'{"max_tokens": 8, "stream": true}',
+                               headers=["connection: close"]))
+        with anyio.fail_after(5):
+            await engine.started.wait()
+        reader, writer = await gw.connect()
+        writer.write(_request(method, path, body=body, headers=head))
+        status, headers, answer = _parse(await _until_eof(reader))
+        writer.close()
+        assert status == 400 and headers["connection"] == "close"
+        assert _error_code(answer) == "upgrade_not_supported"
+        m = gw.metrics()
+        assert total(m, "kneegate_in_flight") == 1  # the other client's only: no slot held
+        assert gw.rejected("upgrade") == 1
+        status, _, streamed = _parse(await _until_eof(other_r))
+        other_w.close()
+        assert status == 200 and b"data: [DONE]" in streamed  # unchanged
+        assert engine.requests == 1
+        m = gw.metrics()
+        assert_conserved(m)
+        assert total(m, "kneegate_requests_received_total") == 1
+
+
+async def test_an_upgrade_header_without_connection_upgrade_is_served_and_not_forwarded(
+) -> None:
+    async with _gw() as gw:
+        reader, writer = await gw.connect()
+        writer.write(_request(body=b'{"max_tokens": 1}',
+                              headers=["upgrade: websocket", "connection: close"]))
+        assert _parse(await _until_eof(reader))[0] == 200
+        writer.close()
+        assert "upgrade" not in gw.engine.last_headers
+        assert gw.rejected("upgrade") == 0
+
+
 # --- defect 11: HTTP/1.0 clients get close-delimited bodies --------------------------
 
 
+@pytest.mark.skipif(FALLBACK, reason="the fallback leaves HTTP/1.0 to uvicorn's framing")
 async def test_http10_client_gets_a_close_delimited_stream() -> None:
     engine = FakeEngine(interval=0.002)
     async with _gw(engine) as gw:

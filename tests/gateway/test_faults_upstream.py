@@ -249,6 +249,29 @@ async def test_a_frozen_engine_is_taken_out_and_comes_back_when_it_answers() -> 
             await gw.settled()
 
 
+async def test_a_client_gone_while_a_valve_refusal_is_read_closes_its_connection(
+    relay: str,
+) -> None:
+    # the body read of a small 503 (is it vLLM's valve?) is cancelled by the client
+    # leaving: the upstream connection must be closed, not leaked
+    async with faulty_upstream("valve_stall") as up, gateway(gw_config(up.url)) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        body = b'{"prompt": "hi", "max_tokens": 1}'
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        with anyio.fail_after(3):
+            while up.requests == 0:  # the engine has it, and is sending half its refusal
+                await asyncio.sleep(0.01)
+        writer.close()
+        with anyio.fail_after(3):
+            await up.peer_closed.wait()
+        m = await gw.settled()
+        assert total(m, "kneegate_requests_finished_total", outcome="client_cancelled") == 1
+        assert total(m, "kneegate_requests_received_total") == 1
+        assert await gw.ready() == 200  # the gateway serves on
+
+
 def test_the_upstream_head_limit_comes_from_the_config() -> None:
     cfg = gw_config("http://127.0.0.1:9", limits={"max_upstream_header_bytes": 4 << 20})
     assert build_app(cfg).gateway.client.max_header_bytes == 4 << 20

@@ -11,9 +11,10 @@ import json
 from typing import Any
 
 import pytest
-from helpers.gateway import FakeEngine, assert_conserved
+from helpers.gateway import FakeEngine, assert_conserved, total
 from test_proxy import Rig, _rig
 
+from kneegate.gateway.errors import InvalidPath
 from kneegate.gateway.forwarding import normalise_path, proxied_path
 
 pytestmark = pytest.mark.anyio
@@ -75,6 +76,64 @@ async def test_paths_that_leave_the_allow_list_are_refused_and_never_forwarded()
         assert (await rig.client.get(rig.gw + "/ready")).status_code == 200  # still served
 
 
+# issue 44: forms that servers read differently. Each is refused (400 invalid_path, or 404
+# when it leaves the allow-list), or reaches the engine inside what kneegate proxies.
+FORMS = [
+    ("GET", "/v1/..;/metrics", 400),  # Tomcat-style matrix parameter on '..'
+    ("POST", "/v1/..;/kneegate/reload", 400),
+    ("GET", "/v1/..;x/..;y/health", 400),
+    ("GET", "/v1/%2e%2e;/metrics", 400),
+    ("GET", "/v1/..%3b/metrics", 400),
+    ("GET", "/v1/%252e%252e/metrics", 400),  # double encoding
+    ("GET", "/v1/%252e%252e%252fmetrics", 400),
+    ("GET", "/v1/%2e%2e/metrics", 404),
+    ("GET", "/v1/%2E%2e/%2e%2e/kneegate/status", 404),
+    ("GET", "/v1\\..\\metrics", 400),  # backslashes
+    ("GET", "/v1/..\\metrics", 400),
+    ("GET", "//metrics", 404),  # '//': another path, never the engine's
+    ("GET", "//v1/../metrics", 404),
+    ("GET", "/v1//../../kneegate/status", 404),
+    ("POST", "//kneegate/reload", 404),
+]
+
+
+async def test_every_path_form_stays_inside_what_kneegate_proxies() -> None:
+    engine = FakeEngine()
+    seen: list[str] = []
+    engine_call = engine.__call__
+
+    async def recording(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            seen.append(scope["raw_path"].decode("latin-1"))
+        await engine_call(scope, receive, send)
+
+    async with _rig(recording) as rig:  # type: ignore[arg-type]
+        before = list(seen)  # the gateway's own probes (/health, /v1/models, /metrics)
+        for method, target, status in FORMS:
+            code, headers, body = await raw_request(rig.gw, method, target, b"{}")
+            assert code == status, target
+            assert headers["content-type"] == "application/json", target
+            assert error_code(body) == ("not_found" if status == 404 else "invalid_path")
+            # another client, between two of them: served as usual
+            code, _, _ = await raw_request(rig.gw, "POST", "/v1/completions",
+                                           b'{"max_tokens": 1}')
+            assert code == 200
+        forwarded = seen[len(before):]
+        assert forwarded.count("/v1/completions") == len(FORMS)
+        # the engine saw the other client's requests and the gateway's own probes only
+        assert set(forwarded) <= {"/v1/completions", "/health", "/metrics",
+                                          "/v1/models"}, forwarded
+        m = await rig.metrics()
+        assert total(m, "kneegate_config_reloads_total") == 0  # the admin endpoint: unreached
+        clean = sum(1 for _, target, _ in FORMS if "/." not in target and "%" not in target
+                    and "\\" not in target)  # not normalised: the gateway's own 404
+        assert total(m, "kneegate_client_rejections_total", reason="invalid_path") == (
+            len(FORMS) - clean)
+        assert total(m, "kneegate_client_rejections_total", reason="not_found") == clean
+        assert total(m, "kneegate_requests_received_total") == len(FORMS)
+        assert_conserved(m)
+
+
 async def test_dot_segments_inside_v1_are_forwarded_resolved() -> None:
     async with _rig(FakeEngine()) as rig:
         for target, forwarded in [
@@ -131,11 +190,19 @@ async def assert_idle(rig: Rig) -> None:
     (b"/v1//../x", b"/v1/x"),
     (b"/v1/..//metrics", b"//metrics"),
     (b"/v1/%2E%2e/x", b"/x"),
-    (b"/v1/%252e%252e/x", b"/v1/%252e%252e/x"),  # '%2e' literally, to the engine
     (b"/v1/%2%65/x", b"/v1/%2%65/x"),  # not decoded: %65 would complete a new escape
 ])
 def test_normalise_path(raw: bytes, out: bytes) -> None:
     assert normalise_path(raw) == out
+
+
+@pytest.mark.parametrize("raw", [
+    b"/v1/..;/metrics", b"/v1/.;/x", b"/v1/%2e%2e;x/y", b"/v1/..%3B/x", b"/v1/%252e%252e/x",
+    b"/v1/%252F", b"/v1/%255cx",
+])
+def test_ambiguous_path_forms_raise(raw: bytes) -> None:
+    with pytest.raises(InvalidPath):
+        normalise_path(raw)
 
 
 def test_proxied_path_allow_list() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -362,3 +363,41 @@ async def test_reload_under_load_drops_nothing(tmp_path: Path) -> None:
             assert total(m, "kneegate_config_reloads_total", result="ok") == 1
             assert total(m, "kneegate_config_reloads_total", result="error") == 1
             assert total(m, "kneegate_requests_finished_total", outcome="completed") == 8
+
+
+async def test_userinfo_in_an_upstream_url_is_basic_auth_never_host_nor_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # credentials in an engine's URL are its basic auth (curl and httpx read them so): sent
+    # as Authorization, never in Host, never in a log line or on the status page
+    engine = FakeEngine()
+    with contextlib.closing(__import__("socket").socket()) as dead:
+        dead.bind(("127.0.0.1", 0))  # bound, never listening: connects are refused
+        dead_port = dead.getsockname()[1]
+        async with serve(engine) as up:
+            port = up.rsplit(":", 1)[1]
+            cfg = gw_config(upstreams=[
+                {"name": "e0", "url": f"http://kn:s3cr%40t@127.0.0.1:{port}",
+                 "controller": "fixed", "params": {"initial": 4}},
+                {"name": "e1", "url": f"http://kn:s3cr%40t@127.0.0.1:{dead_port}",
+                 "controller": "fixed", "params": {"initial": 4}},
+            ])
+            with caplog.at_level(logging.DEBUG):
+                async with _rig(engine, cfg) as rig:
+                    for _ in range(4):
+                        r = await rig.client.post(
+                            rig.gw + "/v1/completions", json={"max_tokens": 1},
+                            headers={"authorization": "Bearer sk-client"})
+                        assert r.status_code == 200
+                    seen = engine.last_headers
+                    assert seen["host"] == f"127.0.0.1:{port}"
+                    assert seen["authorization"] == "Basic a246czNjckB0"  # kn:s3cr@t
+                    status = (await rig.client.get(rig.gw + "/kneegate/status")).text
+                    m = await rig.metrics()
+    assert "s3cr" not in status and "kn:" not in status
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(f"http://127.0.0.1:{port}/metrics" in line for line in logged)  # its URL, shown
+    assert f"127.0.0.1:{dead_port}" in status  # e1, shown without its userinfo
+    assert not any("s3cr" in line or "kn:" in line for line in logged), logged
+    assert_conserved(m)
+    assert total(m, "kneegate_requests_finished_total", outcome="completed") == 4

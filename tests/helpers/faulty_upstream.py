@@ -25,6 +25,9 @@ client got. Modes:
     slow_drip             a streamed answer one byte at a time, `drip` seconds apart
     freezable             answers correctly until `freeze()`; then nothing (health and
                           metrics included) until `thaw()` (an engine under SIGSTOP)
+    valve_stall           a small 503 that starts like vLLM's valve refusal, half its
+                          body, then silence; sets `peer_closed` when the gateway closes
+                          the connection (an exchange cut while the refusal is read)
 
 Whatever hangs is released when the context exits, so servers stop promptly.
 """
@@ -44,7 +47,7 @@ MODES = (
     "ok", "refused", "blackhole", "reset_before_headers", "reset_mid_body",
     "hang_before_headers", "stall_mid_stream", "garbage", "huge_headers",
     "short_content_length", "interim_1xx", "switching_101", "unsolicited", "slow_drip",
-    "freezable",
+    "freezable", "valve_stall",
 )
 HUGE = 2 << 20  # bytes of header block sent by `huge_headers`
 METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
@@ -79,6 +82,7 @@ class FaultyUpstream:
         self.released = asyncio.Event()  # set at exit: whatever hangs returns
         self.thawed = asyncio.Event()
         self.thawed.set()
+        self.peer_closed = asyncio.Event()
         self._writers: list[asyncio.StreamWriter] = []
         self._server: asyncio.Server | None = None
 
@@ -121,6 +125,9 @@ class FaultyUpstream:
                     await writer.drain()
                     continue
                 self.requests += 1
+                if self.mode == "valve_stall":
+                    await self._valve_stall(reader, writer)
+                    break
                 if not await self._answer(writer):
                     break
         writer.close()
@@ -169,6 +176,15 @@ class FaultyUpstream:
             await self._slow_drip(w, body)
         await w.drain()
         return True
+
+    async def _valve_stall(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        body = (b'{"object": "error", "message": "The server is busy and cannot accept new '
+                b'requests. Please try again later or on a different instance.", "code": 503}')
+        w.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body[:len(body) // 2]))
+        await w.drain()
+        if await r.read() == b"" and not self.released.is_set():  # EOF: the gateway closed
+            self.peer_closed.set()
 
     async def _huge_headers(self, w: asyncio.StreamWriter) -> None:
         w.write(b"HTTP/1.1 200 OK\r\n")
