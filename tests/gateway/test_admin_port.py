@@ -17,6 +17,7 @@ import httpx
 import pytest
 from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 
+from kneegate.cli import main as kneegate
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.errors import ConfigError
 from kneegate.gateway.server import admin_server, exposure_warning, running
@@ -165,3 +166,15 @@ def test_the_admin_port_must_differ_from_the_api_port() -> None:
     with pytest.raises(ConfigError, match=r"server\.admin_port: 8080 is also the API port"):
         gw_config(server={"port": 8080, "admin_port": 8080})
     assert gw_config(server={"port": 0, "admin_port": 0}).server.admin_port == 0
+
+
+def test_serve_refuses_a_token_file_it_cannot_read_and_check_config_notes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = tmp_path / "kneegate.yaml"
+    path.write_text(f"admin_token_file: {tmp_path / 'absent'}\n")
+    assert kneegate(["check-config", str(path)]) == 0  # the Secret may exist only where it runs
+    assert "note: cannot read" in capsys.readouterr().out
+    assert kneegate(["serve", "--config", str(path), "--port", "0"]) == 2  # before binding
+    err = capsys.readouterr().err
+    assert "admin_token_file: cannot read" in err and "absent" in err
