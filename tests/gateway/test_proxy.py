@@ -28,7 +28,9 @@ class Rig:
         self.engine, self.app, self.up, self.gw, self.client = engine, app, up, gw, client
 
     async def metrics(self) -> dict[Any, float]:
-        return scrape((await self.client.get(self.gw + "/metrics")).text)
+        token = self.app.gateway.admin_token  # /metrics on the API port needs it when set
+        auth = {} if token is None else {"authorization": "Bearer " + token.decode()}
+        return scrape((await self.client.get(self.gw + "/metrics", headers=auth)).text)
 
 
 @contextlib.asynccontextmanager
