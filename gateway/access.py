@@ -9,11 +9,11 @@ tenant as metrics name it (gateway/tenants.py: a configured name, `key-` and a h
 API key, or `anonymous`), the outcome (`ok`, `upstream_error`, `timeout`,
 `client_cancelled`, `upstream_overloaded`, `client_stalled`, or the reason a request was
 refused: `queue_full`, `over_objective`, `queue_timeout`, `no_upstream`, `shutting_down`,
-`tenant_quota`, `body_too_large`, `invalid_header`), the status answered (499 when the
-client left before any was), seconds in the queue, to the first token (from arrival, as the
-user waits) and in all, and the tokens counted. Never a header, a key, a prompt or a body;
-the request id, which the client chose, is cut to 128 characters and quoted when it holds
-anything but plain characters.
+`tenant_quota`, `body_too_large`, `invalid_header`, `invalid_api_key`), the status
+answered (499 when the client left before any was), seconds in the queue, to the first
+token (from arrival, as the user waits) and in all, and the tokens counted. Never a header,
+a key, a prompt or a body; the request id, which the client chose, is cut to 128 characters
+and quoted when it holds anything but plain characters.
 
 Cost: nothing is formatted unless the logger is enabled for INFO and `server.access_log`
 is on (`--no-access-log` turns it off). With `--log-format json` the fields are keys of the

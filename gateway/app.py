@@ -5,7 +5,8 @@
 Dispatch is a few byte tests per request: `/v1/*`, `/tokenize`, `/detokenize` and
 `/version` go straight to `Proxy` as pure ASGI (methods other than GET, POST, DELETE,
 HEAD and OPTIONS get 405); everything else goes to Starlette (gateway/endpoints.py), which
-serves `/health`, `/ready`, `/metrics`, `/kneegate/status`, `/kneegate/history`,
+serves `/health`, `/ready` and, unless `server.admin_port` moves them to a port of their own
+(`KneegateApp.admin`), `/metrics`, `/kneegate/status`, `/kneegate/history`,
 `POST /kneegate/reload` and the live page at `/kneegate/` (gateway/livepage.py), and answers
 404 (OpenAI-style body) for any other path: never an open proxy. A raw path that could hide
 a dot segment ('%', '/.' or '\\' in it) is normalised first (`forwarding.proxied_path`): it is
@@ -34,11 +35,11 @@ from prometheus_client import CollectorRegistry
 from kneegate.controllers.base import engine_ttft_objective
 from kneegate.gateway.admission import AdmissionQueue
 from kneegate.gateway.admission_types import ClassPolicy
-from kneegate.gateway.config import GatewayConfig, Prepare, parse_reload
+from kneegate.gateway.config import GatewayConfig, Prepare, parse_reload, read_admin_token
 from kneegate.gateway.config_upstream import UpstreamConfig
 from kneegate.gateway.config_yaml import read_config
 from kneegate.gateway.demand import DemandEstimate
-from kneegate.gateway.endpoints import NO_ROUTE, own_endpoints
+from kneegate.gateway.endpoints import NO_ROUTE, admin_endpoints, own_endpoints
 from kneegate.gateway.errors import (
     ConfigError,
     HTTPError,
@@ -93,8 +94,15 @@ def _upstreams(cfg: GatewayConfig) -> list[UpstreamConfig]:
             for u in cfg.upstreams]
 
 
+def _token_bytes(token: str | None) -> bytes | None:
+    return None if token is None else token.encode()
+
+
 class Gateway:
-    """Everything one gateway process holds, built from a config."""
+    """Everything one gateway process holds, built from a config.
+
+    `admin_token` is the token the admin endpoints compare against (bytes, or None: open),
+    read from the config or its `admin_token_file` at start and at each reload."""
 
     def __init__(
         self,
@@ -107,6 +115,7 @@ class Gateway:
     ) -> None:
         self.config_path, self.prepare, self.clock = config_path, prepare, clock
         self.config = config
+        self.admin_token = _token_bytes(read_admin_token(config, config_path or "<config>"))
         self.metrics = GatewayMetrics(registry if registry is not None else CollectorRegistry())
         self.pool = UpstreamPool(_upstreams(config), clock=clock,
                                  count_scrape=self.metrics.count_scrape)
@@ -221,7 +230,9 @@ class Gateway:
     # --- configuration ---------------------------------------------------------------
 
     def apply(self, new: GatewayConfig) -> None:
-        """Swap in a validated config; requests in flight keep their slots and upstreams."""
+        """Swap in a validated config; requests in flight keep their slots and upstreams.
+        Raises ConfigError, having changed nothing, when its admin token file cannot be read."""
+        token = _token_bytes(read_admin_token(new, self.config_path or "<config>"))
         if new.server != self.config.server:
             log.warning("server settings changed; they take effect only after a restart")
             new = new.model_copy(update={"server": self.config.server})
@@ -235,7 +246,7 @@ class Gateway:
         self.queue.demand.half_life = new.scale.half_life
         self.client.set_connect_timeout(new.timeouts.connect)
         self.proxy.settings = ProxySettings.from_config(new, self.proxy.settings)
-        self.config = new
+        self.config, self.admin_token = new, token
         self.gate.pump()
 
     def reload(self) -> tuple[bool, str]:
@@ -251,11 +262,11 @@ class Gateway:
             self.watcher.loading()  # this version of the file is judged now, once
         try:
             cfg, notes = self._reloaded(self.config_path)
+            self.apply(cfg)  # reads the admin token file again: a rotated Secret is taken
         except ConfigError as exc:  # its text never holds a secret (gateway/config.py)
             log.error("config reload rejected, keeping the old config: %s", exc)
             self.metrics.reloads.labels("error").inc()
             return False, str(exc)
-        self.apply(cfg)
         self.metrics.reloads.labels("ok").inc()
         for note in notes:
             log.warning("config reload: %s", note)
@@ -290,12 +301,15 @@ class Gateway:
 
 
 class KneegateApp:
-    """The ASGI callable uvicorn serves."""
+    """The ASGI callable uvicorn serves on the API port; `admin`, the app for
+    `server.admin_port` (None when unset: the admin endpoints are in `own`)."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.proxy = gateway.proxy
         self.own = own_endpoints(gateway)
+        self.admin = (admin_endpoints(gateway)
+                      if gateway.config.server.admin_port is not None else None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

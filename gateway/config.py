@@ -13,8 +13,10 @@ too large, not UTF-8, empty, broken or too deep YAML). Secrets are never echoed:
 validation errors never show an API key or the admin token.
 
 `parse_reload` adds the reload's rule: a key the new file leaves out keeps the
-running `admin_token` and `api_keys` (removing them takes `admin_token: null`,
-`api_keys: {}`), so a half-written file cannot open the admin endpoints.
+running `admin_token` (or `admin_token_file`), `api_keys` and `require_api_key` (removing
+them takes `admin_token: null`, `api_keys: {}`, `require_api_key: false`), so a
+half-written file cannot open the admin endpoints or the engines. `read_admin_token` gives
+the token itself, from the file when it is in a Secret.
 
 The file's sections are modelled in `gateway.config_upstream` (`upstreams`, `timeouts`)
 and `gateway.config_sections` (`classes`, `limits`, `server`, `scale`); `GatewayConfig`,
@@ -49,6 +51,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "parse_reload",
+    "read_admin_token",
     "split_for_worker",
     "worker_share",
 ]
@@ -82,8 +85,16 @@ class GatewayConfig(Frozen):
     retry_after_min: int = Field(1, ge=0, description="Retry-After floor, seconds")
     retry_after_max: int = Field(60, ge=1, description="Retry-After ceiling, seconds")
     tick_interval: float = Field(0.1, gt=0, le=5, description="controller tick and sweep period")
+    require_api_key: bool = Field(
+        False, description="refuse 401 invalid_api_key, before admission, every request to "
+        "/v1/*, /tokenize or /detokenize (OPTIONS aside) whose bearer key is not one of "
+        "api_keys or tenants.<name>.keys: the same keys as the engine's own check")
     admin_token: str | None = Field(
-        None, min_length=1, description="bearer token for /kneegate/status and /kneegate/reload")
+        None, min_length=1, description="bearer token for /kneegate/status, history and "
+        "reload, and /metrics on the API port")
+    admin_token_file: str | None = Field(
+        None, min_length=1, description="a file holding the admin token (a mounted Secret; "
+        "surrounding whitespace ignored), read at start and at each reload")
     server: ServerConfig = Field(default_factory=ServerConfig)
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
 
@@ -108,6 +119,15 @@ class GatewayConfig(Frozen):
                     raise ValueError(f"tenants.{name}.keys: entry {i + 1} is also a key of "
                                      f"tenant {owner[key]!r}")
                 owner[key] = name
+        if self.require_api_key and not self.api_keys and not owner:
+            raise ValueError("require_api_key: no key is configured (api_keys, or a tenant's "
+                             "keys): every request would be refused")
+        if self.admin_token is not None and self.admin_token_file is not None:
+            raise ValueError("admin_token_file: give the token or a file holding it, not both")
+        port, admin = self.server.port, self.server.admin_port
+        if admin is not None and admin == port != 0:
+            raise ValueError(f"server.admin_port: {admin} is also the API port; give the admin "
+                             "endpoints a port of their own")
         names = [u.name for u in self.upstreams]
         if len(set(names)) != len(names):
             raise ValueError(f"upstreams: names must be unique, got {names}")
@@ -174,10 +194,12 @@ def parse_reload(
 ) -> tuple[GatewayConfig, list[str]]:
     """Validate a reloaded file's document, keeping the running secrets where it is silent.
 
-    A reload never drops a secret by omission: a file without `admin_token` keeps the
-    running token, one without `api_keys` keeps the running keys (a half-written or wrong
-    file must not open the admin endpoints or move every keyed client to the default
-    class). `admin_token: null` and `api_keys: {}` remove them, on purpose. Returns the
+    A reload never drops a secret by omission: a file without `admin_token` (or
+    `admin_token_file`) keeps the running token, one without `api_keys` keeps the running
+    keys, one without `require_api_key` keeps requiring them (a half-written or wrong file
+    must not open the admin endpoints or the engines, or move every keyed client to the
+    default class). `admin_token: null`, `api_keys: {}` and `require_api_key: false` remove
+    them, on purpose. Returns the
     config and what happened to the secrets, for the log: names and counts, no values.
     """
     doc, notes = _keep_secrets(data, running)
@@ -196,16 +218,22 @@ def _keep_secrets(
 ) -> tuple[dict[str, Any], list[str]]:
     out = dict(data)
     notes: list[str] = []
-    if running.admin_token is not None:
-        if "admin_token" not in data:
-            out["admin_token"] = running.admin_token
+    if running.admin_token is not None or running.admin_token_file is not None:
+        if "admin_token" not in data and "admin_token_file" not in data:
+            for key in ("admin_token", "admin_token_file"):
+                if getattr(running, key) is not None:
+                    out[key] = getattr(running, key)
             notes.append("admin_token is not in the new file: the running token is kept "
                          "(write `admin_token: null` to remove it)")
-        elif data["admin_token"] is None:
+        elif data.get("admin_token") is None and data.get("admin_token_file") is None:
             notes.append("admin_token: null in the new file: the token is removed, the admin "
                          "endpoints are open")
-        elif data["admin_token"] != running.admin_token:
+        elif data.get("admin_token") != running.admin_token:
             notes.append("admin_token changed")
+    if running.require_api_key and "require_api_key" not in data:
+        out["require_api_key"] = True
+        notes.append("require_api_key is not in the new file: keys are still required "
+                     "(write `require_api_key: false` to stop)")
     if running.api_keys:
         if "api_keys" not in data:
             out["api_keys"] = dict(running.api_keys)
@@ -214,6 +242,32 @@ def _keep_secrets(
         elif data["api_keys"] == {}:
             notes.append("api_keys: {} in the new file: every API key is removed")
     return out, notes
+
+
+MAX_TOKEN_BYTES = 4096  # an admin token file holds one token, not a document
+
+
+def read_admin_token(cfg: GatewayConfig, source: str = "<config>") -> str | None:
+    """The admin token: `admin_token`, else what `admin_token_file` holds, surrounding
+    whitespace stripped (a Secret written with `echo` ends in a newline). Raises ConfigError
+    naming the file, never its contents, when it cannot be read or holds no token."""
+    path = cfg.admin_token_file
+    if path is None:
+        return cfg.admin_token
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(source, "admin_token_file",
+                          f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(source, "admin_token_file", f"{path} is not UTF-8 text") from None
+    if len(raw) > MAX_TOKEN_BYTES or not token:
+        why = "holds no token" if not token else f"is over {MAX_TOKEN_BYTES} bytes"
+        raise ConfigError(source, "admin_token_file", f"{path} {why}")
+    return token
 
 
 def worker_share(total: int, index: int, count: int) -> int:

@@ -108,6 +108,14 @@ class ServerConfig(Frozen):
 
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 in a container")
     port: int = Field(8080, ge=0, le=65535, description="0 picks a free port")
+    admin_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="a second port for /metrics, /kneegate/* (status, history, reload, the "
+        "live page), /health and /ready; the API port then answers the admin paths 404. "
+        "Unset: they share the API port (/metrics behind admin_token when one is set)")
+    admin_host: str | None = Field(
+        None, description="the admin port's bind address (127.0.0.1: this machine only); "
+        "unset: `host`")
     workers: int = Field(1, ge=1, le=64, description="processes sharing the port")
     shutdown_grace: float = Field(
         30.0, ge=0, le=3600,

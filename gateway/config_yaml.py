@@ -49,10 +49,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
                                       "write {} to mean every default")
     if not isinstance(data, dict):
         raise ConfigError(str(p), "", f"the top level must be a mapping, got {type(data).__name__}")
-    if "admin_token" in data and data["admin_token"] is None and _written_empty(text):
-        # `admin_token:` with nothing after it is also how a file cut short ends
-        raise ConfigError(str(p), "admin_token", "no value; give the token, or write "
-                                                 "`admin_token: null` to run without one")
+    for key in ("admin_token", "admin_token_file"):
+        if key in data and data[key] is None and _written_empty(text, key):
+            # `admin_token:` with nothing after it is also how a file cut short ends
+            raise ConfigError(str(p), key, f"no value; give the token, or write "
+                                           f"`{key}: null` to run without one")
     return data
 
 
@@ -132,12 +133,12 @@ def _check_shape(text: str, source: str) -> None:
             counts[-1] += n
 
 
-def _written_empty(text: str) -> bool:
-    """Whether the top-level `admin_token` is written with no value at all (not `null`)."""
+def _written_empty(text: str, name: str) -> bool:
+    """Whether the top-level key `name` is written with no value at all (not `null`)."""
     root = yaml.compose(text, Loader=_LOADER)
     empty = False
     for key, value in root.value if isinstance(root, yaml.MappingNode) else ():
-        if isinstance(key, yaml.ScalarNode) and key.value == "admin_token":  # the last one wins
+        if isinstance(key, yaml.ScalarNode) and key.value == name:  # the last one wins
             empty = isinstance(value, yaml.ScalarNode) and value.value == "" and not value.style
     return empty
 

@@ -1,13 +1,18 @@
-"""The gateway's own endpoints: a small Starlette app beside the proxied paths.
+"""The gateway's own endpoints: small Starlette apps beside the proxied paths.
 
     own_endpoints(gateway) -> Starlette      # KneegateApp sends it every path it does not proxy
+    admin_endpoints(gateway) -> Starlette    # served on `server.admin_port`, when set
 
-It serves `/health`, `/ready`, `/metrics`, `/kneegate/status` (`Gateway.status()` as JSON,
-NaN and infinities as null), `/kneegate/history`, `POST /kneegate/reload` and the live page
-at `/kneegate/` (gateway/livepage.py), and answers 404 (OpenAI-style body) for any other
-path: never an open proxy. Status, history and reload are admin endpoints: with
-`admin_token` set they need `Authorization: Bearer <token>`. Its lifespan starts and stops
-the `Gateway`.
+The probes are `/health` and `/ready`, on both ports (Kubernetes probes the serving port).
+The admin endpoints are `/metrics`, `/kneegate/status` (`Gateway.status()` as JSON, NaN and
+infinities as null), `/kneegate/history`, `POST /kneegate/reload` and the live page at
+`/kneegate/` (gateway/livepage.py): what they show (tenant names, upstream URLs, the curves
+learned) is the operator's, not the API's clients'. So with `server.admin_port` set they are
+served there only, and the API port answers them 404; without it they share the API port.
+With `admin_token` set, status, history and reload need `Authorization: Bearer <token>`
+on either port, and so does `/metrics` on the API port (Prometheus sends it from
+`authorization: credentials_file`); `/metrics` on the admin port is open, like any
+exporter's. Any other path gets 404 (OpenAI-style body): never an open proxy.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import hmac
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,7 +29,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from kneegate.gateway.errors import HTTPError, MethodNotAllowed, NotFound, Unauthorized, render
 from kneegate.gateway.livepage import live_page_routes
@@ -31,7 +37,9 @@ from kneegate.gateway.livepage import live_page_routes
 if TYPE_CHECKING:
     from kneegate.gateway.app import Gateway
 
-__all__ = ["NO_ROUTE", "own_endpoints"]
+__all__ = ["NO_ROUTE", "admin_endpoints", "own_endpoints"]
+
+Lifespan = Callable[[Starlette], AbstractAsyncContextManager[None]]
 
 NO_ROUTE = ("no route for {}; kneegate proxies /v1/*, /tokenize, /detokenize and "
             "/version")
@@ -54,13 +62,40 @@ def _error_response(exc: HTTPError) -> Response:
 
 
 def own_endpoints(gw: Gateway) -> Starlette:
+    """The API port's own endpoints (KneegateApp sends it every path it does not proxy):
+    /health and /ready; with no `server.admin_port`, the admin endpoints too, /metrics then
+    behind the admin token when one is set. Its lifespan starts and stops the `Gateway`."""
+    probes, admin = _routes(gw, guard_metrics=True)
+    routes = probes if gw.config.server.admin_port is not None else [*probes, *admin]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    return _app(routes, lifespan)
+
+
+def admin_endpoints(gw: Gateway) -> Starlette:
+    """The admin port's app: /health, /ready, /metrics (no token: the port is the boundary,
+    like any exporter's) and the admin endpoints (the token when one is set)."""
+    probes, admin = _routes(gw, guard_metrics=False)
+    return _app([*probes, *admin], None)
+
+
+def _routes(gw: Gateway, *, guard_metrics: bool) -> tuple[list[BaseRoute], list[BaseRoute]]:
+    """(the probes, the admin endpoints) of `gw`."""
+
     def admin_only(request: Request) -> None:
-        token = gw.config.admin_token
+        token = gw.admin_token
         if token is None:
             return
         # RFC 9110 §11.1: the scheme is case-insensitive; the token is compared in constant time
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        ok = hmac.compare_digest(given.strip().encode("latin-1"), token.encode())
+        ok = hmac.compare_digest(given.strip().encode("latin-1"), token)
         if not ok or scheme.lower() != "bearer":
             raise _Denied
 
@@ -75,6 +110,8 @@ def own_endpoints(gw: Gateway) -> Starlette:
         return JSONResponse({"ready": bool(usable), "usable": usable}, 200 if usable else 503)
 
     async def metrics(request: Request) -> Response:
+        if guard_metrics:  # tenant names and their use: not for every client of the API
+            admin_only(request)
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def status(request: Request) -> Response:
@@ -94,6 +131,18 @@ def own_endpoints(gw: Gateway) -> Starlette:
         ok, message = gw.reload()
         return JSONResponse({"reloaded": ok, "message": message}, 200 if ok else 400)
 
+    probes: list[BaseRoute] = [Route("/health", health), Route("/ready", ready)]
+    admin: list[BaseRoute] = [
+        Route("/metrics", metrics),
+        Route("/kneegate/status", status),
+        Route("/kneegate/reload", reload, methods=["POST"]),
+        Route("/kneegate/history", history),
+        *live_page_routes(),
+    ]
+    return probes, admin
+
+
+def _app(routes: list[BaseRoute], lifespan: Lifespan | None) -> Starlette:
     async def denied(request: Request, exc: Exception) -> Response:
         return _error_response(Unauthorized("admin endpoint: send 'Authorization: Bearer <token>'"))
 
@@ -110,23 +159,6 @@ def own_endpoints(gw: Gateway) -> Starlette:
         gw.metrics.count_client_rejection("not_found")
         return _error_response(NotFound(NO_ROUTE.format(request.url.path)))
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gw.start()
-        try:
-            yield
-        finally:
-            await gw.stop()
-
-    routes = [
-        Route("/health", health),
-        Route("/ready", ready),
-        Route("/metrics", metrics),
-        Route("/kneegate/status", status),
-        Route("/kneegate/reload", reload, methods=["POST"]),
-        Route("/kneegate/history", history),
-        *live_page_routes(),
-    ]
     return Starlette(
         routes=routes, lifespan=lifespan,
         exception_handlers={_Denied: denied, HTTPException: not_found},

@@ -24,6 +24,7 @@
         ├── HeadersTooLarge    431: request head over limits.max_header_bytes / max_headers
         ├── RequestTimeout     408: request head or body slower than limits.*_timeout
         ├── Unauthorized       401: admin endpoint without the right bearer token
+        ├── InvalidApiKey      401: no configured API key, with require_api_key
         └── UpstreamError      502: the engine failed or broke off
             ├── UpstreamConnectError  502: could not connect (marks the upstream unusable)
             └── UpstreamTimeout       504: first byte / idle timeout
@@ -53,6 +54,7 @@ __all__ = [
     "ContextTooLong",
     "HTTPError",
     "HeadersTooLarge",
+    "InvalidApiKey",
     "InvalidBody",
     "InvalidHeader",
     "InvalidPath",
@@ -220,6 +222,20 @@ class RequestTimeout(HTTPError):
 
 class Unauthorized(HTTPError):
     status, type, code = 401, "invalid_request_error", "unauthorized"
+
+
+class InvalidApiKey(HTTPError):
+    """No bearer key, or not one the gateway knows (`require_api_key`); OpenAI's code.
+    `request_id` is the request's, for the answer and the log (the key is never shown)."""
+
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+    def __init__(self, message: str, request_id: bytes) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+    def extra_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"www-authenticate", b"Bearer")]  # RFC 6750 §3
 
 
 class UpstreamError(HTTPError):

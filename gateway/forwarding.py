@@ -5,7 +5,8 @@ when it could hide a dot segment (RFC 3986), so the allow-list judges the path t
 will route; `FORWARDED_METHODS` are the methods the OpenAI API uses.
 
 Request headers (`forward_headers`, once per request): hop-by-hop fields dropped
-(`HOP_BY_HOP`), X-Forwarded-For added, X-Request-Id kept or made, and the class picked
+(`HOP_BY_HOP`), X-Forwarded-For added, X-Request-Id kept or made, the API key checked when
+the config requires one (gateway/api_keys.py), and the class picked
 (`ProxySettings.classify`: API key, else header, else the default). `x-kneegate-ttft-ms`
 (`TTFT_HEADER`) is kneegate's own: read (`parse_objective`), never forwarded. Response headers
 lose the same fields but Content-Length (`RESPONSE_DROP`).
@@ -25,8 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kneegate.gateway.admission_types import ANONYMOUS, TenantPolicy
+from kneegate.gateway.api_keys import ApiKeys
 from kneegate.gateway.config import GatewayConfig
-from kneegate.gateway.errors import InvalidHeader, InvalidPath
+from kneegate.gateway.errors import InvalidApiKey, InvalidHeader, InvalidPath
 from kneegate.gateway.tenants import Tenants
 from kneegate.gateway.types import Scope
 
@@ -73,6 +75,7 @@ class ProxySettings:
     first_byte: float
     idle: float
     tenants: Tenants
+    keys: ApiKeys | None  # require_api_key: the keys a request must bear
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig, previous: ProxySettings | None = None
@@ -86,6 +89,7 @@ class ProxySettings:
             first_byte=cfg.timeouts.first_byte,
             idle=cfg.timeouts.idle,
             tenants=Tenants.from_config(cfg, previous.tenants if previous else None),
+            keys=ApiKeys.from_config(cfg),
         )
 
     def classify(self, header: bytes | None, auth: bytes | None,
@@ -169,7 +173,8 @@ def forward_headers(
     """Headers for the engine, the request id, the class, the tenant, the Content-Length
     and the request's own TTFT objective (`x-kneegate-ttft-ms`, ours: not forwarded).
     Raises InvalidHeader for ambiguous credentials (two Authorization headers) and an
-    X-Request-Id over `REQUEST_ID_MAX` bytes."""
+    X-Request-Id over `REQUEST_ID_MAX` bytes, and InvalidApiKey when the config requires a
+    key this request does not bear (before its tenant is named: an unknown key is none)."""
     out: list[tuple[bytes, bytes]] = []
     xff = rid = cls_value = auth = length = ttft = tenant_value = None
     tenant_header = s.tenants.header
@@ -207,6 +212,10 @@ def forward_headers(
         xff = client[0].encode() if xff is None else xff + b", " + client[0].encode()
     if xff is not None:
         out.append((b"x-forwarded-for", xff))
+    if s.keys is not None and not s.keys.admits(
+            scope["method"], scope.get("raw_path") or scope["path"].encode(), auth):
+        raise InvalidApiKey("no API key; send 'Authorization: Bearer <key>'" if auth is None
+                            else "incorrect API key provided", rid)
     tenant = s.tenants.resolve(auth, tenant_value)
     return out, rid, s.classify(cls_value, auth, tenant), tenant, length, ttft
 

@@ -31,9 +31,10 @@ same engines add up as one pool: sum(offered) / sum(capacity). All four are abse
 the gateway has seen `warm` completions, and while no upstream is usable.
 
 Clients refused before their request reaches admission (its head too large or too slow, its
-body too large or too slow, one connection too many: see gateway/wire.py and the proxy's
-413) are counted in `kneegate_client_rejections_total{reason}`, outside the identities above:
-such a request was never received.
+body too large or too slow, one connection too many, no API key the gateway knows: see
+gateway/wire.py and the proxy's 400s, 401 and 413) are counted in
+`kneegate_client_rejections_total{reason}`, outside the identities above: such a request
+was never received.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ CLIENT_REJECTIONS = (
     "context_length",  # 400: surely longer than the engine's context (max_model_len)
     "connection_limit",  # 503: a request on a connection over limits.max_connections
     "client_connection_limit",  # 503: over limits.max_connections_per_client from one address
+    "invalid_api_key",  # 401: require_api_key, and no configured key (gateway/api_keys.py)
 )
 
 # Outcome -> the `outcome` label of kneegate_requests_finished_total.

@@ -2,7 +2,8 @@
 
 One request, in order:
 1. build the forwarded headers (gateway/forwarding.py: hop-by-hop dropped,
-   X-Forwarded-For added, X-Request-Id kept or made), read the body (413 past
+   X-Forwarded-For added, X-Request-Id kept or made; 401 when `require_api_key` finds no
+   configured key, before anything else is read), read the body (413 past
    `max_body_bytes`, and the connection closed: at once when Content-Length says so,
    before reading any of it), pick its class (API key, else header, else the default);
 2. `gate.acquire(class)`: a permit, or a Rejection answered as 429/503 with Retry-After;
@@ -46,6 +47,7 @@ from kneegate.gateway.errors import (
     BodyTooLarge,
     ContextTooLong,
     HTTPError,
+    InvalidApiKey,
     InvalidBody,
     InvalidHeader,
     Rejection,
@@ -174,6 +176,11 @@ class Proxy:
             self.gate.metrics.count_client_rejection("invalid_header")
             self.access.refused(b"-", s.default_class, exc, "-")
             await send_error(send, exc)
+            return
+        except InvalidApiKey as exc:  # before its body is read: never queued, never demand
+            self.gate.metrics.count_client_rejection("invalid_api_key")
+            self.access.refused(exc.request_id, s.default_class, exc, "-")
+            await send_error(send, exc, [(b"x-request-id", exc.request_id)])
             return
         try:
             objective = parse_objective(ttft_ms)

@@ -6,6 +6,11 @@ N it forks N children that all accept on the same socket, each with its own admi
 state and its share of fixed limits (`config.split_for_worker`). SIGHUP re-reads the
 config file in every worker (the parent forwards it).
 
+With `server.admin_port` set, a second socket is bound the same way and each worker serves
+the admin endpoints on it (`admin_server`: a second uvicorn server in the worker's event
+loop, beside the API one; like /metrics today, each worker answers for itself). Without
+it, and without an admin token, start-up warns that the API port shows them to everyone.
+
 Shutdown (SIGINT/SIGTERM, Ctrl-C): `GatewayServer` drains the gateway first
 (`Gateway.drain`: /ready 503, queued requests 503 shutting_down), then uvicorn stops
 accepting and closes idle connections, streams in flight run on for
@@ -52,8 +57,8 @@ from kneegate.gateway.logs import EMBEDDED
 from kneegate.gateway.wire import KneegateHttpProtocol, WireConfig
 
 __all__ = [
-    "GatewayServer", "QuietServer", "bind", "embedded_upstream", "run", "running", "serving",
-    "uvicorn_config",
+    "GatewayServer", "QuietServer", "admin_server", "bind", "embedded_upstream",
+    "exposure_warning", "run", "running", "serving", "uvicorn_config",
 ]
 
 log = logging.getLogger("kneegate")
@@ -172,6 +177,24 @@ async def serving(
         yield url
 
 
+def admin_server(app: KneegateApp) -> QuietServer:
+    """The uvicorn server of `server.admin_port`: the app's admin endpoints, its client
+    limits, no lifespan (the API server's starts and stops the gateway) and no signals of
+    its own. It runs in the same event loop as the API server, beside it."""
+    assert app.admin is not None, "the app is built with server.admin_port set"
+    config = uvicorn_config(app.admin, limits=app.gateway.config.limits)
+    config.lifespan = "off"
+    return QuietServer(config)
+
+
+def exposure_warning(cfg: GatewayConfig) -> str | None:
+    """What start-up warns of when the API port shows what only operators should read."""
+    if cfg.server.admin_port is not None or cfg.admin_token or cfg.admin_token_file:
+        return None
+    return ("/metrics and /kneegate/* are open to every client of the API port (tenant names "
+            "and their use, upstream URLs): set server.admin_port, or admin_token")
+
+
 @contextlib.asynccontextmanager
 async def running(
     server: uvicorn.Server, sock: socket.socket | None = None, *, start_timeout: float = 10.0,
@@ -232,7 +255,7 @@ def _watch_parent(server: uvicorn.Server, parent: int | None) -> asyncio.Task[No
 async def _serve_worker(
     sock: socket.socket, cfg: GatewayConfig, prepare: Prepare, config_path: str | None,
     engine_sock: socket.socket | None, parent: int | None = None,
-    engine_app: EngineApp | None = None,
+    engine_app: EngineApp | None = None, admin_sock: socket.socket | None = None,
 ) -> None:
     engine: uvicorn.Server | None = None
     engine_task = None
@@ -249,11 +272,18 @@ async def _serve_worker(
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGHUP, app.gateway.reload)
     watch = _watch_parent(server, parent)
+    admin = admin_task = None
+    if admin_sock is not None and app.admin is not None:
+        admin = admin_server(app)
+        admin_task = asyncio.create_task(admin.serve(sockets=[admin_sock]))
     try:
         await server.serve(sockets=[sock])
     finally:
         if watch is not None:
             watch.cancel()
+        if admin is not None and admin_task is not None:  # after the drain: /ready said 503
+            admin.should_exit = True
+            await admin_task
         if engine is not None and engine_task is not None:
             engine.should_exit = True
             await engine_task
@@ -269,7 +299,7 @@ async def _embedded(serve: Awaitable[None]) -> None:
 def _worker_main(
     sock: socket.socket, cfg: GatewayConfig, prepare: Prepare, config_path: str | None,
     engine_sock: socket.socket | None, own_group: bool = False,
-    engine_app: EngineApp | None = None,
+    engine_app: EngineApp | None = None, admin_sock: socket.socket | None = None,
 ) -> None:
     import uvloop
 
@@ -277,7 +307,8 @@ def _worker_main(
     if own_group:  # signals come from the parent only (see the module docstring)
         os.setpgid(0, 0)
         parent = os.getppid()
-    uvloop.run(_serve_worker(sock, cfg, prepare, config_path, engine_sock, parent, engine_app))
+    uvloop.run(_serve_worker(sock, cfg, prepare, config_path, engine_sock, parent, engine_app,
+                             admin_sock))
 
 
 def _engine_main(sock: socket.socket, inherited: socket.socket, engine_app: EngineApp) -> None:
@@ -324,10 +355,18 @@ def run(cfg: GatewayConfig, *, prepare: Prepare, config_path: str | None = None,
     host, port = sock.getsockname()[:2]
     log.warning("kneegate listening on http://%s:%d (%d worker%s)", host, port, workers,
                 "" if workers == 1 else "s")
+    admin_sock = None
+    if cfg.server.admin_port is not None:
+        admin_sock = bind(cfg.server.admin_host or cfg.server.host, cfg.server.admin_port)
+        host, port = admin_sock.getsockname()[:2]
+        log.warning("admin endpoints (/metrics, /kneegate/*) on http://%s:%d only", host, port)
+    elif (exposed := exposure_warning(cfg)) is not None:
+        log.warning("%s", exposed)
     if workers == 1:
-        _worker_main(sock, cfg, prepare, config_path, engine_sock, engine_app=engine)
+        _worker_main(sock, cfg, prepare, config_path, engine_sock, engine_app=engine,
+                     admin_sock=admin_sock)
         return 0
-    return _supervise(sock, cfg, prepare, config_path, engine_sock, workers, engine)
+    return _supervise(sock, cfg, prepare, config_path, engine_sock, workers, engine, admin_sock)
 
 
 def _then(first: Prepare, second: Prepare) -> Prepare:
@@ -341,6 +380,7 @@ def _share(index: int, count: int) -> Prepare:
 def _supervise(
     sock: socket.socket, cfg: GatewayConfig, prepare: Prepare, config_path: str | None,
     engine_sock: socket.socket | None, workers: int, engine_app: EngineApp | None = None,
+    admin_sock: socket.socket | None = None,
 ) -> int:
     ctx = multiprocessing.get_context("fork")
     engine = None
@@ -354,10 +394,13 @@ def _supervise(
         # the share is computed from each freshly loaded file, on reload too
         share = _then(prepare, _share(i, workers))
         procs.append(ctx.Process(target=_worker_main,
-                                 args=(sock, cfg, share, config_path, None, True), daemon=True))
+                                 args=(sock, cfg, share, config_path, None, True),
+                                 kwargs={"admin_sock": admin_sock}, daemon=True))
     for p in procs:
         p.start()
     sock.close()  # the workers hold it: once they all closed it, new connections are refused
+    if admin_sock is not None:
+        admin_sock.close()
     stopping: list[float] = []  # when the first SIGINT/SIGTERM came
 
     def forward(sig: int, _frame: object) -> None:

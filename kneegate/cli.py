@@ -1,8 +1,8 @@
 """`kneegate`: serve, check-config, demo, and the benchmark tools.
 
     kneegate serve [--config FILE] [--upstream URL ...] [--host H] [--port P]
-                   [--controller NAME] [--limit N] [--workers N] [--ttft-objective S]
-                   [--log-format text|json] [--no-access-log]
+                   [--admin-port P] [--controller NAME] [--limit N] [--workers N]
+                   [--ttft-objective S] [--log-format text|json] [--no-access-log]
     kneegate check-config FILE        # exit 0, or 1 naming the field path and the reason
     kneegate demo                     # the same overload direct and through kneegate
     kneegate engine|sweep|simulate …  # the tools in benchmarks/ (loaded only when asked)
@@ -22,7 +22,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kneegate.gateway.config import GatewayConfig, load_config, parse_config
+from kneegate.gateway.config import (
+    GatewayConfig,
+    load_config,
+    parse_config,
+    read_admin_token,
+)
 from kneegate.gateway.errors import ConfigError
 from kneegate.gateway.logs import configure as configure_logging
 
@@ -37,6 +42,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="engine base URL; repeat for several (replaces the file's list)")
     p.add_argument("--host", help="bind address")
     p.add_argument("--port", type=int, help="listen port")
+    p.add_argument("--admin-port", type=int, metavar="PORT",
+                   help="serve /metrics, /kneegate/*, /health and /ready on this port too; "
+                   "the API port then answers the admin paths 404")
     p.add_argument("--controller",
                    help="controller for every upstream (default knee; fixed to hand-tune, ...)")
     p.add_argument("--limit", type=int,
@@ -72,7 +80,7 @@ def apply_flags(cfg: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
     if objective is not None:
         data["classes"][data["default_class"]]["ttft_objective"] = objective
     server = data["server"]
-    for key in ("host", "port", "workers", "log_format", "access_log"):
+    for key in ("host", "port", "admin_port", "workers", "log_format", "access_log"):
         if getattr(args, key, None) is not None:
             server[key] = getattr(args, key)
     return parse_config(data, "command line")
@@ -88,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kneegate.gateway.server import run
 
     cfg = _load(args)
+    read_admin_token(cfg, args.config or "command line")  # an unreadable token file stops here
     configure_logging(cfg.server.log_format)
     return run(cfg, prepare=lambda c: apply_flags(c, args), config_path=args.config,
                engine=emulator_app)
@@ -98,6 +107,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     names = ", ".join(f"{u.name}={u.url} ({u.controller})" for u in cfg.upstreams)
     none = "none (serve starts the embedded emulator; a reload needs one unless it runs)"
     print(f"{args.file}: ok; upstreams: {names or none}")
+    try:  # the file may be a Secret mounted where the gateway runs, not here
+        read_admin_token(cfg, args.file)
+    except ConfigError as exc:
+        print(f"note: {exc.reason}; `kneegate serve` refuses to start without it")
     return 0
 
 

@@ -35,17 +35,21 @@ VERSIONS = sorted({kv.all_versions()[0], kv.latest_version()})
 
 
 def _documents() -> dict[str, dict[str, Any]]:
+    """Each object by its kind; a second of a kind (the admin Service) by kind/name."""
     docs = {}
     for path in sorted(DEPLOY.glob("*.yaml")):
         if path.name == "kustomization.yaml":
             continue
         for doc in yaml.safe_load_all(path.read_text()):
-            docs[doc["kind"]] = doc
+            kind = doc["kind"]
+            docs[kind if kind not in docs else f"{kind}/{doc['metadata']['name']}"] = doc
     return docs
 
 
 DOCS = _documents()
-CORE = ["ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
+ADMIN_SERVICE = "Service/kneegate-admin"
+CORE = ["ConfigMap", "Deployment", "Service", ADMIN_SERVICE, "PodDisruptionBudget"]
+KUSTOMIZATION = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -62,9 +66,8 @@ def test_a_misspelt_field_would_fail() -> None:
 
 
 def test_kustomization_lists_every_manifest() -> None:
-    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
     files = {p.name for p in DEPLOY.glob("*.yaml")} - {"kustomization.yaml"}
-    assert sorted(kustomization["resources"]) == sorted(files)
+    assert sorted(KUSTOMIZATION["resources"]) == sorted(files)
     assert set(DOCS) == {*CORE, "ServiceMonitor"}
 
 
@@ -112,13 +115,19 @@ def test_service_monitor_is_valid_as_far_as_schemas_go(version: str) -> None:
         jsonschema.Draft202012Validator(schema, registry=registry).validate(part)
 
 
-def test_service_monitor_scrapes_the_service_port_and_the_metrics_path() -> None:
-    sm, svc = DOCS["ServiceMonitor"], DOCS["Service"]
-    assert _selects(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
-    ports = {p["name"] for p in svc["spec"]["ports"]}
+def test_service_monitor_scrapes_the_admin_port_and_the_metrics_path(
+    configmap_config: tuple[Path, GatewayConfig],
+) -> None:
+    _, cfg = configmap_config
+    sm, admin, api = DOCS["ServiceMonitor"], DOCS[ADMIN_SERVICE], DOCS["Service"]
+    selector = sm["spec"]["selector"]["matchLabels"]
+    assert _selects(selector, admin["metadata"]["labels"])
+    assert not _selects(selector, api["metadata"]["labels"]), "the API Service has no admin port"
+    ports = {p["name"]: p for p in admin["spec"]["ports"]}
     for ep in sm["spec"]["endpoints"]:
-        assert ep["port"] in ports
-        assert ep["path"] in _own_paths()
+        target = ports[ep["port"]]["targetPort"]
+        assert _container_port(target) == cfg.server.admin_port
+        assert ep["path"] in _admin_paths(cfg)
 
 
 # --- the cross-file facts -----------------------------------------------------------------
@@ -164,26 +173,81 @@ def test_the_config_file_is_the_mounted_configmap() -> None:
     assert path.name in DOCS["ConfigMap"]["data"]
 
 
+def _container_port(name_or_number: str | int) -> int:
+    for port in _container()["ports"]:
+        if name_or_number in (port["name"], port["containerPort"]):
+            return int(port["containerPort"])
+    raise AssertionError(f"the container has no port {name_or_number!r}")
+
+
 def test_ports_line_up(configmap_config: tuple[Path, GatewayConfig]) -> None:
     _, cfg = configmap_config
-    (port,) = _container()["ports"]
-    assert port["containerPort"] == cfg.server.port
-    (svc_port,) = DOCS["Service"]["spec"]["ports"]
-    assert svc_port["targetPort"] in (port["name"], port["containerPort"])
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert _container()[probe]["httpGet"]["port"] in (port["name"], port["containerPort"])
+    assert cfg.server.admin_port is not None, "the admin endpoints stay off the API port"
+    assert _container_port("http") == cfg.server.port
+    assert _container_port("admin") == cfg.server.admin_port
+    (svc_port,) = DOCS["Service"]["spec"]["ports"]  # clients reach the API port only
+    assert _container_port(svc_port["targetPort"]) == cfg.server.port
+    (admin_port,) = DOCS[ADMIN_SERVICE]["spec"]["ports"]
+    assert _container_port(admin_port["targetPort"]) == cfg.server.admin_port
+    for probe in ("readinessProbe", "livenessProbe"):  # the serving port: its health
+        assert _container_port(_container()[probe]["httpGet"]["port"]) == cfg.server.port
 
 
-def _own_paths() -> set[str]:
-    app = build_app(GatewayConfig())
+def _own_paths(cfg: GatewayConfig | None = None) -> set[str]:
+    """The paths the API port serves itself (not proxied)."""
+    app = build_app(_here(cfg or GatewayConfig()))
     return {route.path for route in app.own.routes}  # type: ignore[attr-defined]
 
 
-def test_probes_use_the_gateways_endpoints() -> None:
+def _here(cfg: GatewayConfig) -> GatewayConfig:
+    """`cfg` without its token file: the Secret is mounted in the pod, not here."""
+    return cfg.model_copy(update={"admin_token_file": None})
+
+
+def _admin_paths(cfg: GatewayConfig) -> set[str]:
+    app = build_app(_here(cfg))
+    assert app.admin is not None
+    return {route.path for route in app.admin.routes}  # type: ignore[attr-defined]
+
+
+def test_probes_use_the_gateways_endpoints(configmap_config: tuple[Path, GatewayConfig]) -> None:
+    _, cfg = configmap_config
     c = _container()
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert {"/ready", "/health"} <= _own_paths()
+    assert {"/ready", "/health"} <= _own_paths(cfg)
+    assert "/metrics" not in _own_paths(cfg) and "/metrics" in _admin_paths(cfg)
+
+
+def test_the_admin_token_comes_from_the_generated_secret(
+    configmap_config: tuple[Path, GatewayConfig],
+) -> None:
+    _, cfg = configmap_config
+    assert cfg.admin_token is None, "no token in a ConfigMap"
+    assert cfg.admin_token_file is not None
+    token = Path(cfg.admin_token_file)
+    pod = DOCS["Deployment"]["spec"]["template"]["spec"]
+    (mount,) = [m for m in _container()["volumeMounts"] if m["mountPath"] == str(token.parent)]
+    assert mount["readOnly"] is True and "subPath" not in mount  # a rotated Secret is seen
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    (generator,) = KUSTOMIZATION["secretGenerator"]
+    assert volume["secret"]["secretName"] == generator["name"]
+    assert generator["files"] == [token.name], "the Secret's key is the file the config reads"
+    assert "literals" not in generator and "envs" not in generator, "no token is shipped"
+    # the file is the user's: never in the repository, and readable by the image's user
+    assert token.name in (DEPLOY / ".gitignore").read_text().split()
+    assert not (DEPLOY / token.name).exists() or _untracked(DEPLOY / token.name)
+    assert volume["secret"]["defaultMode"] & 0o040
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+
+
+def _untracked(path: Path) -> bool:
+    git = shutil.which("git")
+    if git is None:
+        return True
+    out = subprocess.run([git, "ls-files", "--", str(path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30)
+    return out.stdout.strip() == ""
 
 
 def test_termination_grace_covers_prestop_and_the_drain(
@@ -237,13 +301,25 @@ def test_the_image_runs_as_the_manifests_non_root_user() -> None:
     assert "--config" in dockerfile and _config_path() in dockerfile
 
 
-def test_kustomize_builds_the_manifests() -> None:
+def test_kustomize_builds_the_manifests(tmp_path: Path) -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
-    out = subprocess.run([kubectl, "kustomize", str(DEPLOY)], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
-    built = {d["kind"]: d for d in yaml.safe_load_all(out)}
-    assert set(built) == set(DOCS)
+    here = tmp_path / "kubernetes"
+    shutil.copytree(DEPLOY, here, ignore=shutil.ignore_patterns("admin-token"))
+
+    def build() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([kubectl, "kustomize", str(here)], capture_output=True,
+                              text=True, timeout=60)
+
+    missing = build()  # no token made: nothing is built, so no known token is deployed
+    assert missing.returncode != 0 and "admin-token" in missing.stderr
+    (here / "admin-token").write_text("a-token-made-by-the-user-0001\n")
+    built = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(build().stdout)}
+    kinds = sorted(k for k, _ in built)
+    assert kinds == sorted([*(key.split("/")[0] for key in DOCS), "Secret"])
     for doc in built.values():
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kneegate"
+    (secret,) = [d for (k, _), d in built.items() if k == "Secret"]
+    volumes = built[("Deployment", "kneegate")]["spec"]["template"]["spec"]["volumes"]
+    assert secret["metadata"]["name"] in [v.get("secret", {}).get("secretName") for v in volumes]

@@ -57,6 +57,13 @@ async def until_up(client: httpx.AsyncClient, url: str, proc: subprocess.Popen[b
             await asyncio.sleep(0.05)
 
 
+def stopped(proc: subprocess.Popen[bytes]) -> str:
+    """SIGTERM, then everything the gateway wrote (its log), once it has exited."""
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    return out.decode()
+
+
 async def limits(client: httpx.AsyncClient, url: str) -> list[int]:
     status = (await client.get(url + "/kneegate/status")).json()
     return [u["limit"] for u in status["upstreams"]]
@@ -116,6 +123,36 @@ async def test_two_workers_split_a_fixed_limit() -> None:
             r = await client.post(url + "/v1/completions", json={"max_tokens": 2})
             assert r.status_code == 200
         assert proc.returncode == 0
+
+
+async def test_admin_port_flag_moves_the_admin_endpoints_in_every_worker() -> None:
+    admin = f"http://127.0.0.1:{free_port()}"
+    async with engine() as up, httpx.AsyncClient() as client:
+        with kneegate("--upstream", up, "--workers", "2",
+                      "--admin-port", admin.rsplit(":", 1)[1]) as (proc, url):
+            await until_up(client, url, proc)
+            r = await client.post(url + "/v1/completions", json={"max_tokens": 2})
+            assert r.status_code == 200
+            for _ in range(4):  # fresh connections, so that both workers answer
+                async with httpx.AsyncClient() as fresh:
+                    assert (await fresh.get(url + "/metrics")).status_code == 404
+                    assert (await fresh.get(url + "/kneegate/status")).status_code == 404
+                    assert (await fresh.get(url + "/ready")).status_code == 200
+                    m = await fresh.get(admin + "/metrics")
+                    assert m.status_code == 200 and "kneegate_limit" in m.text
+                    assert (await fresh.get(admin + "/kneegate/status")).status_code == 200
+            log = stopped(proc)
+        assert proc.returncode == 0
+        assert "admin endpoints (/metrics, /kneegate/*) on http://127.0.0.1:" in log
+        assert "open to every client of the API port" not in log
+
+
+async def test_serve_warns_once_when_the_api_port_shows_the_admin_endpoints() -> None:
+    async with engine() as up, httpx.AsyncClient() as client:
+        with kneegate("--upstream", up, "--workers", "2") as (proc, url):
+            await until_up(client, url, proc)
+            log = stopped(proc)
+        assert log.count("open to every client of the API port") == 1
 
 
 async def test_serve_without_upstream_embeds_the_emulator() -> None:

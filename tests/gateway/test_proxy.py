@@ -29,7 +29,9 @@ class Rig:
         self.engine, self.app, self.up, self.gw, self.client = engine, app, up, gw, client
 
     async def metrics(self) -> dict[Any, float]:
-        return scrape((await self.client.get(self.gw + "/metrics")).text)
+        token = self.app.gateway.admin_token  # /metrics on the API port needs it when set
+        auth = {} if token is None else {"authorization": "Bearer " + token.decode()}
+        return scrape((await self.client.get(self.gw + "/metrics", headers=auth)).text)
 
 
 @contextlib.asynccontextmanager
@@ -134,7 +136,12 @@ async def test_admin_token_guards_admin_endpoints(tmp_path: Path) -> None:
         assert (await rig.client.post(rig.gw + "/kneegate/reload", headers=bad)).status_code == 401
         good = {"authorization": "Bearer s3cret"}
         assert (await rig.client.get(rig.gw + "/kneegate/status", headers=good)).status_code == 200
-        assert (await rig.client.get(rig.gw + "/metrics")).status_code == 200
+        for path in ("/metrics", "/kneegate/history"):  # on the API port: the token too
+            assert (await rig.client.get(rig.gw + path)).status_code == 401, path
+            assert (await rig.client.get(rig.gw + path, headers=bad)).status_code == 401, path
+            assert (await rig.client.get(rig.gw + path, headers=good)).status_code == 200, path
+        for path in ("/health", "/kneegate/"):  # the probes, and the page's files (no data)
+            assert (await rig.client.get(rig.gw + path)).status_code == 200, path
 
 
 async def test_fixed_limit_holds_with_three_times_the_clients() -> None:

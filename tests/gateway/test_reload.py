@@ -50,7 +50,7 @@ class Rig:
         return await self.client.post(self.gw + "/kneegate/reload", headers=self.auth)
 
     async def metrics(self) -> dict[Any, float]:
-        return scrape((await self.client.get(self.gw + "/metrics")).text)
+        return scrape((await self.client.get(self.gw + "/metrics", headers=self.auth)).text)
 
     async def still_serves(self, **headers: str) -> None:
         r = await self.client.post(self.gw + "/v1/completions", json={"max_tokens": 2},
