@@ -76,14 +76,14 @@ def own_endpoints(gw: Gateway) -> Starlette:
         finally:
             await gw.stop()
 
-    return _app(routes, lifespan)
+    return _app(gw, routes, lifespan)
 
 
 def admin_endpoints(gw: Gateway) -> Starlette:
     """The admin port's app: /health, /ready, /metrics (no token: the port is the boundary,
     like any exporter's) and the admin endpoints (the token when one is set)."""
     probes, admin = _routes(gw, guard_metrics=False)
-    return _app([*probes, *admin], None)
+    return _app(gw, [*probes, *admin], None)
 
 
 def _routes(gw: Gateway, *, guard_metrics: bool) -> tuple[list[BaseRoute], list[BaseRoute]]:
@@ -142,7 +142,7 @@ def _routes(gw: Gateway, *, guard_metrics: bool) -> tuple[list[BaseRoute], list[
     return probes, admin
 
 
-def _app(routes: list[BaseRoute], lifespan: Lifespan | None) -> Starlette:
+def _app(gw: Gateway, routes: list[BaseRoute], lifespan: Lifespan | None) -> Starlette:
     async def denied(request: Request, exc: Exception) -> Response:
         return _error_response(Unauthorized("admin endpoint: send 'Authorization: Bearer <token>'"))
 
