@@ -729,11 +729,16 @@ def oracle(sc: Scenario, seed: int) -> Oracle:
 
     for lim in limits:
         attempt(lim, FIRST_CAP)
-    # a best at the top of the grid is no maximum yet: keep stepping up until one is found
+    # a best at either end of the grid is no maximum yet: keep stepping out until one is
+    # found (a mix of long prompts at a tight objective puts it far under the knee)
     while best()[0] == max(limits) and not sc.oracle_limits and best()[0] < 4096:
         top = max(best()[0] + 1, round(best()[0] * 1.25))
         limits.append(top)
         attempt(top, FIRST_CAP)
+    while best()[0] == min(limits) and not sc.oracle_limits and best()[0] > 1:
+        low = min(best()[0] - 1, round(best()[0] * 0.75))
+        limits.insert(0, low)
+        attempt(low, FIRST_CAP)
     i = limits.index(best()[0])
     for lim in limits[max(0, i - 1) : i + 2]:
         for wait in WAIT_CAPS:
