@@ -128,7 +128,7 @@ class Tenants:
         """A tenant of its own named `name`, cached under `key` (the cache cleared when full)."""
         if len(self._cache) >= self.CACHE_MAX:
             self._cache.clear()
-        policy = self._cache[key] = TenantPolicy(name, label=self._label(name))
+        policy = self._cache[key] = TenantPolicy(name, label=self._label(name), unlisted=True)
         return policy
 
     def _label(self, name: str) -> str:
