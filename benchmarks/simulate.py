@@ -162,6 +162,10 @@ class Tenant(_Strict):
     name: str
     share: float = Field(gt=0, description="fraction of arrivals (relative to the others)")
     weight: float = Field(1.0, gt=0, description="its fair-share weight in the gateway")
+    listed: bool = Field(True, description="a tenant the config lists; false: an API key "
+                         "no config lists (`TenantPolicy.unlisted`)")
+    mint: bool = Field(False, description="a fresh unlisted key for each request (a client "
+                       "minting keys, or each request a new user's first)")
 
 
 class Scenario(_Strict):
@@ -418,8 +422,10 @@ class _Sim:
     ) -> None:
         self.sc = sc
         # each tenant's policy, once (fair=False: every request one tenant, plain FIFO)
-        self.tenants = {t.name: TenantPolicy(t.name, t.weight, label=t.name)
+        self.tenants = {t.name: TenantPolicy(t.name, t.weight, label=t.name,
+                                             unlisted=not t.listed)
                         for t in sc.tenants} if fair else {}
+        self.minting = {t.name for t in sc.tenants if t.mint} if fair else set()
         self.profile = load_profile(sc.profile, **sc.profile_overrides)
         self.core = EngineCore(self.profile, seed=seed)
         if arrivals is None:
@@ -517,8 +523,11 @@ class _Sim:
         self.all.append(r)
         # the true prompt size: the gateway's bytes / 4 differs by a constant factor, and
         # knee uses ratios of sizes only (the queue tells the controller, as in the gateway)
+        policy = self.tenants.get(tenant, ANONYMOUS)
+        if tenant in self.minting:  # a key of its own, as the gateway names an unlisted one
+            policy = TenantPolicy(f"{tenant}#{n}", policy.weight, label=tenant, unlisted=True)
         ticket = r.ticket = Ticket(cls, t, payload=r, tokens=prompt, streamed=True,
-                                   tenant=self.tenants.get(tenant, ANONYMOUS))
+                                   tenant=policy)
         verdict = self.queues[gw].offer(ticket, t)
         if isinstance(verdict, Admitted):
             self._dispatch(ticket, t)

@@ -128,13 +128,15 @@ class TenantPolicy:
     """Who a request is for, as admission weighs it: fair shares within a class are kept
     between tenants (`gateway.fairness`). `name` is its key in the queue (a configured
     tenant's name, or a hash of an unconfigured API key; "" is everyone without one);
-    `label` is what metrics call it."""
+    `label` is what metrics call it. `unlisted`: a name any client can mint (a key no
+    config lists, a tenant header's value): pooled until it has been served."""
 
     name: str = ""
     weight: float = 1.0  # its share relative to other tenants' (2: twice a weight-1 share)
     max_inflight: int | None = None  # its requests queued or in flight, at most
     tokens_per_minute: float | None = None  # prompt + output tokens a minute, at most
     label: str = "anonymous"
+    unlisted: bool = False
     # either cap set (read on every offer: a field, not a property)
     capped: bool = field(init=False, repr=False, compare=False, default=False)
 
@@ -169,6 +171,7 @@ class Ticket:
     streamed: bool = False  # its answer streams: its first token is seen (`first_token`)
     awaiting_first: bool = False  # dispatched, streamed, and no first token yet
     backlog_at_dispatch: int = 0  # its upstream's streamed requests awaiting a first token
+    pooled: bool = False  # queued or served in its class's pool of unproven tenants
 
 
 def least_full(upstreams: list[UpstreamState], tokens: int,

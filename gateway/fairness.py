@@ -15,7 +15,24 @@ in Serving Large Language Models", OSDI 2024) decides which tenant's head goes n
   when none waits), so idle time is not banked as credit. Two departures from the paper:
   a tenant with answers still streaming starts up to `CREDIT` (3) of its requests short of
   that, and one that left owing (its counter above the floor) starts at its debt;
-- work-conserving: a lone tenant is always the least served, and gets the whole engine.
+- work-conserving: a lone tenant is always the least served, and gets the whole engine;
+- a tenant any client can mint (`TenantPolicy.unlisted`: a key no config lists, a header's
+  name) is pooled until it has been served: every unlisted tenant the class has not served
+  yet queues in one account, `POOL` (FIFO within it, as within a tenant). When one of its
+  requests is dispatched the tenant graduates: its next requests are its own, starting no
+  lower than the pool's counter then, plus that request's charges (the pool pays them, and
+  the tenant carries its bill out). A `refund` undoes the graduation. Configured tenants
+  never pool.
+
+Why the pool (issue 44): level with the least served, every fresh key started at the floor,
+and a client minting a key per request had one share per request. Pooled, all the keys it
+mints have one share between them; an honest user's new key is served from the pool at
+once when nobody mints (it is the pool's only request), and as often as a minted key when
+someone does (nothing tells the two apart before a key has been served). The other rule
+the issue named, a new tenant level with the *most* served backlogged one, was measured and
+left (one shared account is O(1), that rule needs a max-heap, and it kept a third of the
+light tenants' share). In the simulator the light tenants kept 0.95-1.04x their good share
+against a minting client, from 0.01-0.06x (docs/experiments/2026-12-07-minted-keys.md).
 
 Why the credit: a tenant asking for about its share, in random arrivals, empties its queue
 often, and the plain rule gives each such moment to whoever is always backlogged. In the
@@ -53,7 +70,10 @@ in a plain FIFO with one tenant.
 State is bounded: a tenant with nothing queued or in flight is forgotten once its counter
 is at or under the floor (it would be lifted there anyway); one idle above the floor keeps
 its debt in `_idle`, at most `IDLE_MAX` of them (the oldest forgotten first), so a flood of
-random API keys can neither grow memory nor bank credit.
+random API keys can neither grow memory nor bank credit. The tenants that left the pool are
+remembered as served, at most `GRADUATED_MAX` (the least recently seen forgotten, and pooled
+again): a key minted per request takes one slot there per request the pool served, so the
+churn it makes is the pool's share, not its rate.
 
 Fairness in numbers: `jain()` is Jain's index over the service the tenants backlogged at two
 readings got between them, (sum x)^2 / (n sum x^2): 1 when equal, 1/n when one got it all.
@@ -122,6 +142,9 @@ class FairQueue:
 
     IDLE_MAX = 1024  # idle tenants whose debt is remembered
     CREDIT = 3.0  # requests' worth a tenant still streaming comes back ahead of the least served
+    GRADUATED_MAX = 4096  # unlisted tenants served here, remembered as no longer pooled
+    # the one account of the unlisted tenants not yet served here (no tenant name has a NUL)
+    POOL = TenantPolicy("\0pool", label="pool")
 
     floor: float = 0.0  # the least backlogged counter at the last dispatch
     # a request's expected output charge, for estimating queued work (an EWMA)
@@ -129,6 +152,8 @@ class FairQueue:
     _accounts: dict[str, _Account] = field(default_factory=dict)
     _backlogged: dict[str, _Account] = field(default_factory=dict)  # those with a queue
     _idle: OrderedDict[str, float] = field(default_factory=OrderedDict)  # name -> counter
+    # unlisted tenants served from the pool: name -> the pool's counter then (an LRU)
+    _graduated: OrderedDict[str, float] = field(default_factory=OrderedDict)
     _heap: list[_Entry] = field(default_factory=list)
     _tags: list[_Tag] = field(default_factory=list)  # sorted
     _tag_of: dict[Ticket, tuple[float, int]] = field(default_factory=dict)
@@ -171,7 +196,7 @@ class FairQueue:
         if key is None:
             return False
         del self._tags[bisect.bisect_left(self._tags, key)]
-        a = self._backlogged[ticket.tenant.name]
+        a = self._backlogged[self._owner(ticket).name]
         if a.queued[0] is ticket:
             a.queued.popleft()
         else:
@@ -180,7 +205,7 @@ class FairQueue:
         if a.queued:
             self._touch(a)
         else:
-            del self._backlogged[ticket.tenant.name]
+            del self._backlogged[a.policy.name]
             a.mark = None
             self._settle(a)
         return True
@@ -204,17 +229,22 @@ class FairQueue:
         """`ticket` goes to an engine: charge its prompt estimate. `queued`: it was taken
         from this queue (its tenant was the least served backlogged one); else it went
         straight through an empty queue, and its tenant starts as `append` would have it.
-        Its counter is the class's floor from now on."""
-        a = self._accounts.get(ticket.tenant.name)
+        Its counter is the class's floor from now on. A pooled ticket's tenant has been
+        served: its next requests are its own (until a `refund` says it was not)."""
+        policy = self._owner(ticket)
+        a = self._accounts.get(policy.name)
         if a is None or not queued:
-            a = self._account(ticket.tenant, self._start(ticket))
+            ticket.pooled = policy is self.POOL
+            a = self._account(policy, self._start(ticket))
         self.floor = max(self.floor, a.counter)
         a.inflight += 1
         self._charge(a, ticket, PROMPT_WEIGHT * ticket.tokens)
+        if ticket.pooled:
+            self._remember(ticket.tenant.name, a.counter)
 
     def charge_output(self, ticket: Ticket, tokens: int) -> None:
         """`tokens` more output tokens of `ticket` (in flight) streamed."""
-        a = self._accounts.get(ticket.tenant.name)
+        a = self._accounts.get(self._owner(ticket).name)
         if a is not None and tokens > 0:
             ticket.output_charged += tokens
             self._charge(a, ticket, OUTPUT_WEIGHT * tokens)
@@ -222,7 +252,7 @@ class FairQueue:
     def released(self, ticket: Ticket, output_tokens: int | None) -> None:
         """`ticket`'s request ended; `output_tokens`: all it produced (None: unknown).
         The output not yet charged is charged now; an engine's refusal is `refund`."""
-        a = self._accounts.get(ticket.tenant.name)
+        a = self._accounts.get(self._owner(ticket).name)
         if a is None:
             return
         if output_tokens is not None:
@@ -238,11 +268,13 @@ class FairQueue:
     def refund(self, ticket: Ticket) -> None:
         """`ticket` comes back unserved (its engine refused it, its caller left before
         the engine saw it): what it was charged is given back, its slot too."""
-        a = self._accounts.get(ticket.tenant.name)
+        a = self._accounts.get(self._owner(ticket).name)
         if a is None:
             return
         a.counter -= ticket.charged
         ticket.charged, ticket.output_charged = 0.0, 0
+        if ticket.pooled and ticket.tenant.name not in self._accounts:
+            self._graduated.pop(ticket.tenant.name, None)  # unserved: still unproven
         a.inflight -= 1
         if a.queued:
             self._touch(a)
@@ -296,7 +328,7 @@ class FairQueue:
         """Where `ticket` would finish in its tenant's share, queued now behind its own
         (in counter units: its tenant's counter, or where it would start, plus the work
         queued and its own, per unit of weight)."""
-        policy = ticket.tenant
+        policy = self._owner(ticket)
         own = self._cost(ticket.tokens, 1) / policy.weight
         a = self._backlogged.get(policy.name)
         if a is None:  # lifted as `append` would
@@ -315,13 +347,38 @@ class FairQueue:
         """Where `ticket`'s tenant starts as it comes back to the queue: at the least
         backlogged counter (the floor when none is), no credit for the time it sent nothing;
         a tenant with requests still in flight up to `CREDIT` requests short of it; one
-        that left owing (`_idle`), where its debt puts it."""
+        that left owing (`_idle`), where its debt puts it; one that left the pool, no lower
+        than the pool then, plus its bill (`_graduated`)."""
         least = self._least_backlogged() if self._backlogged else self.floor
-        a = self._accounts.get(ticket.tenant.name)
+        policy = self._owner(ticket)
+        a = self._accounts.get(policy.name)
         if a is not None:
-            cost = self._cost(ticket.tokens, 1) / ticket.tenant.weight
+            cost = self._cost(ticket.tokens, 1) / policy.weight
             return max(a.counter, least - self.CREDIT * cost)
-        return max(self._idle.get(ticket.tenant.name, least), least)
+        start = max(self._idle.get(policy.name, least), least)
+        return max(self._graduated.get(policy.name, start), start)
+
+    def _owner(self, ticket: Ticket) -> TenantPolicy:
+        """Whose account `ticket` is queued and charged under: the pool's while its tenant
+        is unlisted and has not been served here (and for good once it was placed so), its
+        tenant's own otherwise. A tenant with an account here has been served, or was
+        placed under its own name: it keeps it while it has requests here."""
+        t = ticket.tenant
+        if ticket.pooled or (t.unlisted and t.name not in self._accounts
+                             and t.name not in self._graduated):
+            return self.POOL
+        if t.unlisted and t.name in self._graduated:
+            self._graduated.move_to_end(t.name)
+        return t
+
+    def _remember(self, name: str, counter: float) -> None:
+        """Unlisted tenant `name` has been served from the pool, whose counter is now
+        `counter`: no longer pooled while remembered (the least recently seen of
+        `GRADUATED_MAX` forgotten first), and never placed ahead of the pool it left."""
+        self._graduated[name] = max(counter, self._graduated.get(name, counter))
+        self._graduated.move_to_end(name)
+        while len(self._graduated) > self.GRADUATED_MAX:
+            self._graduated.popitem(last=False)
 
     def _account(self, policy: TenantPolicy, start: float) -> _Account:
         """Tenant `policy`'s account, made at `start` when it has none; at `start` too when
@@ -337,10 +394,12 @@ class FairQueue:
         return a
 
     def _enqueue(self, ticket: Ticket, left: bool) -> None:
+        policy = self._owner(ticket)
+        ticket.pooled = policy is self.POOL
         end = self._end(ticket)  # before its tenant is lifted: `_end` lifts as this does
-        a = self._backlogged.get(ticket.tenant.name)
+        a = self._backlogged.get(policy.name)
         if a is None:  # arriving, or back after a while
-            a = self._account(ticket.tenant, self._start(ticket))
+            a = self._account(policy, self._start(ticket))
             self._backlogged[a.policy.name] = a
             if len(self._backlogged) == 2:  # the heap is kept only while two or more wait
                 self._heap = []
@@ -396,6 +455,14 @@ class FairQueue:
         ticket.charged += share
         if a.queued:
             self._touch(a)
+        if ticket.pooled:  # the pool pays; its tenant carries its own bill out of it too
+            own = self._accounts.get(ticket.tenant.name)
+            if own is not None:
+                own.counter += share
+                if own.queued:
+                    self._touch(own)
+            elif ticket.tenant.name in self._graduated:
+                self._graduated[ticket.tenant.name] += share
 
     def _settle(self, a: _Account) -> None:
         """Forget an account with nothing queued or in flight (its debt, if any, kept)."""

@@ -15,6 +15,9 @@ In order:
    the key itself is never kept, logged or exported, and its name tells nothing of it;
 4. no key: one shared tenant, `anonymous`.
 
+Tenants of 2 (not configured) and 3 are `unlisted`: any client can mint them, so the fair
+queue pools them until they have been served (`gateway.fairness`).
+
 Metrics name a tenant by its `label`: a configured tenant's name, else its hashed name, for
 the first `LABELS_MAX` such tenants a process sees, and `other` after that, so a flood of
 random keys cannot grow the series a Prometheus server has to keep. The resolved tenants are
@@ -128,7 +131,7 @@ class Tenants:
         """A tenant of its own named `name`, cached under `key` (the cache cleared when full)."""
         if len(self._cache) >= self.CACHE_MAX:
             self._cache.clear()
-        policy = self._cache[key] = TenantPolicy(name, label=self._label(name))
+        policy = self._cache[key] = TenantPolicy(name, label=self._label(name), unlisted=True)
         return policy
 
     def _label(self, name: str) -> str:

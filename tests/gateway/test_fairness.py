@@ -291,3 +291,107 @@ def test_a_tenant_with_answers_still_streaming_comes_back_ahead_a_new_key_does_n
     # not earned); b at max(10, 100 - 3 x 10) = 70
     assert (q.counter("b"), q.counter("c")) == (70.0, 100.0)
     assert serve(q) is back and serve(q) is newcomer  # then c and a tie: c has less queued
+
+
+# --- tenants that can be minted: the pool ------------------------------------------------
+
+POOL = FairQueue.POOL.name
+
+
+def minted(i: int) -> TenantPolicy:
+    return TenantPolicy(f"key-{i:012x}", unlisted=True)
+
+
+def test_keys_minted_per_request_share_one_pool_and_get_one_share_between_them() -> None:
+    q = FairQueue()
+    for i in range(6):
+        q.append(ticket(A, i))
+        q.append(ticket(minted(i), i + 0.5))
+    assert q.tenants == 2  # a, and the pool of the six keys never served
+    served = ["pool" if t.pooled else t.tenant.name for t in (serve(q) for _ in range(6))]
+    assert served == ["a", "pool"] * 3
+    assert q.counter(POOL) == q.counter("a") == 30.0
+
+
+def test_a_configured_tenant_never_pools() -> None:
+    q = FairQueue()
+    q.append(ticket(TenantPolicy("paid")))
+    q.append(ticket(minted(1)))
+    assert q.queued("paid") == 1 and q.queued(POOL) == 1
+
+
+def test_a_served_key_has_its_own_turn_from_where_the_pool_left_it() -> None:
+    q = FairQueue()
+    first = ticket(minted(1), tokens=20)
+    q.dispatched(first, queued=False)  # straight through an empty queue, from the pool
+    assert first.pooled and q.counter(POOL) == 20.0
+    q.charge_output(first, 5)  # its answer streams: the pool pays, the key carries the bill
+    for i in range(3):
+        q.append(ticket(A, 1.0 + i))
+    again = ticket(minted(1), 2.0)
+    q.append(again)
+    assert not again.pooled and q.counter("key-000000000001") == 30.0  # 20 + 2 x 5
+    q.append(ticket(minted(2), 3.0))  # a key never served: pooled
+    assert q.queued(POOL) == 1 and q.queued("key-000000000001") == 1
+
+
+def test_a_refunded_pooled_request_leaves_its_key_unproven() -> None:
+    q = FairQueue()
+    t = ticket(minted(1))
+    q.dispatched(t, queued=False)
+    q.refund(t)  # its engine refused it unstarted: the key was never served
+    again = ticket(minted(1), 1.0)
+    q.append(again)
+    assert again.pooled
+
+
+def test_the_served_keys_remembered_are_bounded_least_recently_seen_forgotten() -> None:
+    q = FairQueue()
+    q.GRADUATED_MAX = 2
+    for i in (1, 2):
+        t = ticket(minted(i))
+        q.dispatched(t, queued=False)
+        q.released(t, 0)
+    q.append(ticket(minted(1), 1.0))  # key 1 seen again: key 2 is now the least recent
+    t3 = ticket(minted(3))
+    q.dispatched(t3, queued=False)  # served: remembered, key 2 forgotten
+    assert t3.pooled and len(q._graduated) == 2
+    assert not ticket_pooled(q, minted(1)) and ticket_pooled(q, minted(2))
+
+
+def ticket_pooled(q: FairQueue, tenant: TenantPolicy) -> bool:
+    """Would a request of `tenant` be pooled now? (queued, then withdrawn)"""
+    t = ticket(tenant, 9.0)
+    q.append(t)
+    q.remove(t)
+    return t.pooled
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 50), st.integers(0, 40)),
+                min_size=20, max_size=300),
+       st.integers(1, 6))
+def test_minted_keys_get_one_share_and_bounded_memory_whatever_their_number(
+        traffic: list[tuple[bool, int, int]], limit: int) -> None:
+    """A tenant that stays backlogged and a stream of keys each used once: the keys, pooled,
+    stay within VTC's bound of it as one tenant would, and what the queue keeps is bounded
+    by what is queued or in flight and `GRADUATED_MAX`, however many keys there were."""
+    q = FairQueue()
+    q.GRADUATED_MAX = 8
+    for i in range(40):
+        q.append(ticket(A, i, tokens=1 + (7 * i) % 50))
+        q.append(ticket(minted(1000 + i), i, tokens=1 + (11 * i) % 50))
+    inflight: list[tuple[Ticket, int]] = []
+    for n, (mint, prompt, out) in enumerate(traffic):
+        q.append(ticket(minted(n) if mint else A, 100.0, tokens=prompt))
+        while len(inflight) < limit and q:
+            inflight.append((serve(q), out))
+        t, total = inflight.pop(0)
+        q.charge_output(t, total // 2)
+        q.released(t, total)
+        assert len(q._graduated) <= 8 and len(q._accounts) <= 2 + limit
+        if q.queued("a") == 0 or q.queued(POOL) == 0:
+            break
+        ca, cp = q.counter("a"), q.counter(POOL)
+        assert ca is not None and cp is not None
+        assert abs(ca - cp) <= 50 + limit * OUTPUT_WEIGHT * 40

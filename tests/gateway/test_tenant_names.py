@@ -58,3 +58,10 @@ def test_a_reload_keeps_the_budget_of_labels() -> None:
     again = Tenants.from_config(gw_config(), first)
     assert again.resolve(b"Bearer fresh").label == "other"
     assert Tenants.from_config(gw_config()).resolve(b"Bearer fresh").label != "other"
+
+
+def test_a_name_any_client_can_mint_is_unlisted_a_configured_one_is_not() -> None:
+    t = tenants(tenant_header="x-tenant", tenants={"paid": {"keys": ["sk-paid"]}})
+    assert t.resolve(b"Bearer sk-minted-0001").unlisted  # pooled until served (fairness)
+    assert t.resolve(None, b"someone").unlisted  # any client can send a header
+    assert not t.resolve(b"Bearer sk-paid").unlisted and not ANONYMOUS.unlisted

@@ -127,6 +127,25 @@ async def test_a_light_key_is_served_before_a_heavy_keys_queue(rig: Rig) -> None
     assert all(t.startswith("key-") and len(t) == 16 for t in admitted)
 
 
+async def test_keys_minted_per_request_take_one_turn_between_them(rig: Rig) -> None:
+    # issue 44: keys never served wait in one pool; a key once served has its own turn
+    first = rig.send("l0", key="sk-light-9876543210")
+    await rig.at_engine(1)  # l0 holds the only slot: the light key has been served
+    rest = [rig.send(f"m{i}", key=f"sk-minted-{i:04d}") for i in range(1, 4)]
+    await rig.queued(3)
+    rest += [rig.send("l1", key="sk-light-9876543210")]
+    await rig.queued(4)
+    rest += [rig.send("l2", key="sk-light-9876543210")]
+    await rig.queued(5)
+    for n in range(2, 7):
+        rig.engine.turn()
+        await rig.at_engine(n)
+    rig.engine.turn()
+    # each minted key alone would start level with the light one, three turns to its one
+    assert rig.engine.seen == ["l0", "l1", "m1", "l2", "m2", "m3"]
+    assert [r.status_code for r in await asyncio.gather(first, *rest)] == [200] * 6
+
+
 async def test_without_keys_everyone_is_one_tenant_first_come_first_served(rig: Rig) -> None:
     first = rig.send("a0")
     await rig.at_engine(1)
