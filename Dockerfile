@@ -11,9 +11,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY gateway ./gateway
-COPY controllers ./controllers
-COPY benchmarks ./benchmarks
 COPY kneegate ./kneegate
 RUN pip install . \
     && groupadd --system --gid 10001 kneegate \

@@ -9,9 +9,4 @@ One installed package, in floors that point down:
     kneegate.benchmarks               the engine emulator and the load tools (the `bench`
                                       extra holds what they need); never imported by the
                                       gateway
-
-In the repository the folders stay at the top (gateway/, controllers/, benchmarks/); the
-links kneegate/gateway, kneegate/controllers and kneegate/benchmarks put them under this one
-import name, for setuptools (a wheel holds the files), for an editable install, for mypy
-and for any editor, with nothing to map.
 """

@@ -361,7 +361,7 @@ def load_real(path: str | Path) -> list[RealPoint]:
 def _started_vllm(*extra: str) -> Iterator[str]:
     """The tier's vLLM (tests/real_vllm/vllm_server.py), with `extra` flags, for the block."""
     # the tier's launcher lives beside the tests; it needs a source checkout
-    tier = Path(__file__).resolve().parents[1] / "tests" / "real_vllm"
+    tier = Path(__file__).resolve().parents[2] / "tests" / "real_vllm"
     if not (tier / "vllm_server.py").exists():
         raise SystemExit(f"--start needs a source checkout with {tier}/vllm_server.py")
     sys.path.insert(0, str(tier))

@@ -30,7 +30,7 @@ from kneegate.benchmarks.engine.virtual import LoopResult
 from kneegate.benchmarks.sweep import find_knee
 
 Curves = tuple[list[RealPoint], list[LoopResult]]
-DATA = Path(__file__).parents[2] / "benchmarks" / "data"
+DATA = Path(__file__).parents[2] / "kneegate" / "benchmarks" / "data"
 FITTED = DATA / "vllm-cpu-avx2-2026-11-30.json"
 CHECK = DATA / "vllm-cpu-avx2-2026-11-30-check.json"
 

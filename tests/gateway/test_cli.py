@@ -190,7 +190,7 @@ def test_the_gateway_floor_never_loads_the_load_tools() -> None:
 
 @pytest.mark.parametrize("tool", ["engine", "sweep", "simulate"])
 def test_benchmark_tools_are_reached_lazily(tool: str) -> None:
-    pytest.importorskip(f"benchmarks.{'engine.server' if tool == 'engine' else tool}")
+    pytest.importorskip(f"kneegate.benchmarks.{'engine.server' if tool == 'engine' else tool}")
     out = subprocess.run([sys.executable, "-m", "kneegate", tool, "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "usage:" in out.stdout
