@@ -1,6 +1,6 @@
 """Fair shares between tenants inside one priority class, counted in tokens.
 
-Pure, like the queue that holds it (`gateway.admission`): no clock, no I/O.
+Pure, like the queue that holds it (`admission.queue`): no clock, no I/O.
 
 One class's queue is a FIFO per tenant. The Virtual Token Counter (Sheng et al., "Fairness
 in Serving Large Language Models", OSDI 2024) decides which tenant's head goes next:
@@ -88,7 +88,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kneegate.gateway.admission_types import TenantPolicy, Ticket
+from kneegate.admission.types import TenantPolicy, Ticket
 
 __all__ = ["OUTPUT_WEIGHT", "PROMPT_WEIGHT", "FairQueue", "TokenBuckets", "jain_index"]
 

@@ -33,7 +33,7 @@ queue's own drain rate where that is slower, but no less than the oldest answer 
 has left to run (`_first_free`; before four answers have ended, (ahead + 1) x the oldest's
 age / in flight: `_cold_wait`), is more than its class's
 `queue_budget` (0.25) of the objective less the engine's recent TTFT: told at once, not
-after waiting (the prediction, and why a quarter: `gateway.admission_wait`). A
+after waiting (the prediction, and why a quarter: `admission.wait`). A
 queued request leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its
 objective less the engine's TTFT has passed, and is never dispatched after that: the engine
 does no work for a user who will see a miss or has left.
@@ -57,7 +57,7 @@ The safety net, for when the prediction is wrong (capacity fell, prompts grew, o
 gateways share the engine): while a class's queue stands (`StandingQueue`: every head has
 waited longer than its target, the wait `offer` admits against, for 4 targets in a row), a
 head over target is answered 503 instead of dispatched: CoDel's test with its drop replaced
-by an answer (chosen over newest-first by measurement: `gateway.admission_wait`).
+by an answer (chosen over newest-first by measurement: `admission.wait`).
 
 The queue owns each controller's lifecycle, so the gateway and the simulator feed it alike:
 `offer` tells every usable upstream's controller of a generation request's arrival
@@ -69,7 +69,7 @@ guarded: what a controller raises goes to `on_error` (the gate logs and counts i
 costs that update only, never a slot or a request.
 
 Dispatch order: higher `priority` classes first; within a class, fair shares between
-tenants counted in tokens (`gateway.fairness`: the least-served tenant's head first, FIFO
+tenants counted in tokens (`admission.fairness`: the least-served tenant's head first, FIFO
 within a tenant; with one tenant, plain FIFO). A request goes to the usable upstream with
 room for it (`UpstreamState`: its limit, and its controller's token budget) that is least
 full, in-flight / limit (`least_full`). A head that does not fit waits, and what is queued
@@ -96,8 +96,9 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kneegate.controllers.base import EngineStats, Outcome, Sample
-from kneegate.gateway.admission_types import (
+from kneegate.admission.demand import Demand
+from kneegate.admission.fairness import FairQueue, TokenBuckets
+from kneegate.admission.types import (
     Admitted,
     ClassPolicy,
     Queued,
@@ -113,9 +114,8 @@ from kneegate.gateway.admission_types import (
     shutting_down,
     tenant_quota,
 )
-from kneegate.gateway.admission_wait import StandingQueue, WaitEstimate
-from kneegate.gateway.demand import Demand
-from kneegate.gateway.fairness import FairQueue, TokenBuckets
+from kneegate.admission.wait import StandingQueue, WaitEstimate
+from kneegate.controllers.base import EngineStats, Outcome, Sample
 
 __all__ = ["AdmissionQueue"]
 

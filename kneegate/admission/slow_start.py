@@ -2,7 +2,7 @@
 gateway admits what the engine would take, growing its allowance as TCP's slow start grows
 its window.
 
-Pure, like the queue that drives it (`gateway.admission`): no clock, times come in as data.
+Pure, like the queue that drives it (`admission.queue`): no clock, times come in as data.
 
 A fresh gateway (a start, a reload that builds new upstreams, a new replica) knows nothing of
 its engine; its controller's limit is a guess (`initial`, 16) and its windows take seconds to

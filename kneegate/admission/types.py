@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kneegate.admission.slow_start import SlowStart
+from kneegate.admission.wait import PrefillLine
 from kneegate.controllers.base import Controller
-from kneegate.gateway.admission_wait import PrefillLine
-from kneegate.gateway.slow_start import SlowStart
 
 __all__ = [
     "Admitted",
@@ -62,7 +62,7 @@ class UpstreamState:
     """One engine as admission sees it: its controller and its live in-flight count.
 
     It has room for a ticket while its in-flight count is under its `limit` (its controller's,
-    or more while its slow start is open: `gateway.slow_start`),
+    or more while its slow start is open: `admission.slow_start`),
     the controller `fits` the ticket's prompt-size estimate beside the sizes already in
     flight there (a token budget; most controllers count requests only), and fewer of its
     streamed requests await their first token than `prefill_cap` (0: no cap; set by the
@@ -126,7 +126,7 @@ class UpstreamState:
 @dataclass(frozen=True, slots=True)
 class TenantPolicy:
     """Who a request is for, as admission weighs it: fair shares within a class are kept
-    between tenants (`gateway.fairness`). `name` is its key in the queue (a configured
+    between tenants (`admission.fairness`). `name` is its key in the queue (a configured
     tenant's name, or a hash of an unconfigured API key; "" is everyone without one);
     `label` is what metrics call it. `unlisted`: a name any client can mint (a key no
     config lists, a tenant header's value): pooled until it has been served."""
@@ -195,7 +195,7 @@ class Admitted:
 class Queued:
     position: int  # tickets ahead of this one that will be dispatched first
     # a queued ticket of the tenant furthest over its share, shed to make room for this
-    # one (`gateway.fairness`), and the answer it is owed; None when nothing was shed
+    # one (`admission.fairness`), and the answer it is owed; None when nothing was shed
     evicted: tuple[Ticket, Rejected] | None = None
 
 

@@ -1,6 +1,6 @@
 """Waits: the one a request is predicted to have, and the one the queue's heads are seen to have.
 
-Pure, like the queue that uses them (`gateway.admission`): no clock, time comes in as `now`.
+Pure, like the queue that uses them (`admission.queue`): no clock, time comes in as `now`.
 
     CompletionRate  completions per busy second: an EWMA, debiased, idle time skipped
     WaitEstimate    queue_wait(ahead) = (ahead + 1) / the completion rate, or the queue's

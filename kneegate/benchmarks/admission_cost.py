@@ -25,10 +25,8 @@ import asyncio
 import sys
 import time
 
-from kneegate.controllers.base import Outcome, Sample
-from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import AdmissionQueue
-from kneegate.gateway.admission_types import (
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.types import (
     ANONYMOUS,
     Admitted,
     ClassPolicy,
@@ -36,6 +34,8 @@ from kneegate.gateway.admission_types import (
     Ticket,
     UpstreamState,
 )
+from kneegate.controllers.base import Outcome, Sample
+from kneegate.controllers.registry import build_controller
 
 __all__ = ["main", "per_request"]
 

@@ -14,11 +14,26 @@ from __future__ import annotations
 
 import os
 
-from kneegate.cli import _load, _parser
 from kneegate.gateway.app import build_app
+from kneegate.gateway.config import GatewayConfig, parse_config
 
-__all__ = ["app"]
+__all__ = ["app", "config"]
 
-_ARGS = ["serve", "--upstream", os.environ.get("KNEEGATE_BENCH_UPSTREAM", "http://127.0.0.1:8001"),
-         "--controller", "fixed", "--limit", "100000", "--no-access-log"]
-app = build_app(_load(_parser().parse_args(_ARGS)))
+UPSTREAM = os.environ.get("KNEEGATE_BENCH_UPSTREAM", "http://127.0.0.1:8001")
+LIMIT = 100000
+
+
+def config(upstream: str = UPSTREAM) -> GatewayConfig:
+    """What `kneegate serve --upstream URL --controller fixed --limit 100000 --no-access-log`
+    runs (tests/benchmarks/test_asgi_app.py holds the two equal): built here from the
+    gateway's config, so that the load tools never import the command line above them."""
+    data = GatewayConfig().model_dump()
+    params = {"initial": LIMIT, "max_limit": LIMIT, "min_limit": 1}
+    data["upstreams"] = [
+        {"name": "upstream0", "url": upstream, "controller": "fixed", "params": params}
+    ]
+    data["server"]["access_log"] = False
+    return parse_config(data, "benchmarks.asgi_app")
+
+
+app = build_app(config())

@@ -68,6 +68,17 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kneegate.admission.fairness import jain_index
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.types import (
+    ANONYMOUS,
+    Admitted,
+    ClassPolicy,
+    Queued,
+    TenantPolicy,
+    Ticket,
+    UpstreamState,
+)
 from kneegate.benchmarks import trace
 from kneegate.benchmarks.engine.core import EngineCore, EngineRequest
 from kneegate.benchmarks.engine.profiles import Profile, load_profile
@@ -81,17 +92,6 @@ from kneegate.controllers.base import (
     engine_ttft_objective,
 )
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import AdmissionQueue
-from kneegate.gateway.admission_types import (
-    ANONYMOUS,
-    Admitted,
-    ClassPolicy,
-    Queued,
-    TenantPolicy,
-    Ticket,
-    UpstreamState,
-)
-from kneegate.gateway.fairness import jain_index
 
 __all__ = [
     "TRACE_STRIDE",

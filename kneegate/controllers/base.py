@@ -37,7 +37,7 @@ def engine_ttft_objective(user_objectives: Iterable[float]) -> float:
     applies it where a controller's params leave `ttft_objective` out; so does the
     simulator. A user's first token comes after the wait and the engine's TTFT; the queue
     admits a request only if the predicted wait plus the engine's expected TTFT fits
-    (gateway/admission_wait.py), so the wait has its own bound.
+    (admission/wait.py), so the wait has its own bound.
 
     The whole objective, not a share of it (docs/benchmarks.md, 2026-12-01): held to 3/4
     or 1/2 of it, the simulator's bursts-lowrate fell 0.937 -> 0.865 and 0.930 -> 0.822 of
@@ -185,7 +185,7 @@ class LimitController:
 
     name = "base"
     # learns its limit from traffic: a gateway may admit past it until the engine shows
-    # saturation (`gateway.slow_start`)
+    # saturation (`admission.slow_start`)
     adaptive = True
 
     def __init__(self, cfg: BaseControllerConfig) -> None:

@@ -32,13 +32,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kneegate.admission.demand import DemandEstimate
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.types import ClassPolicy
 from kneegate.controllers.base import engine_ttft_objective
-from kneegate.gateway.admission import AdmissionQueue
-from kneegate.gateway.admission_types import ClassPolicy
 from kneegate.gateway.config import GatewayConfig, Prepare, parse_reload, read_admin_token
 from kneegate.gateway.config_upstream import UpstreamConfig
 from kneegate.gateway.config_yaml import read_config
-from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.endpoints import NO_ROUTE, admin_endpoints, own_endpoints
 from kneegate.gateway.errors import (
     ConfigError,
@@ -288,7 +288,7 @@ class Gateway:
     def status(self) -> dict[str, Any]:
         """Each upstream (its controller's state: limit, knee estimate, learned curve; its
         engine's scraped figures), the queue, the completion rate and the demand (null
-        until known: gateway/demand.py)."""
+        until known: admission/demand.py)."""
         now = self.clock()
         demand = self.demand(now)
         return {

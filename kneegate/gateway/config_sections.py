@@ -132,7 +132,7 @@ class ServerConfig(Frozen):
 
 class ScaleConfig(Frozen):
     """The scale-out signal: kneegate_demand_ratio and kneegate_suggested_replicas
-    (gateway/demand.py). Reloadable."""
+    (admission/demand.py). Reloadable."""
 
     target: float = Field(
         0.9, gt=0, le=1, description="utilisation of the engines' knee capacity that "

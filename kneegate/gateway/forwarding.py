@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kneegate.gateway.admission_types import ANONYMOUS, TenantPolicy
+from kneegate.admission.types import ANONYMOUS, TenantPolicy
 from kneegate.gateway.api_keys import ApiKeys
 from kneegate.gateway.config import GatewayConfig
 from kneegate.gateway.errors import InvalidApiKey, InvalidHeader, InvalidPath

@@ -20,9 +20,8 @@ import math
 import time
 from typing import Any, NamedTuple
 
-from kneegate.controllers.base import EngineStats, Outcome, Sample
-from kneegate.gateway.admission import AdmissionQueue
-from kneegate.gateway.admission_types import (
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.types import (
     ANONYMOUS,
     Admitted,
     Queued,
@@ -32,6 +31,7 @@ from kneegate.gateway.admission_types import (
     Ticket,
     UpstreamState,
 )
+from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.gateway.errors import (
     NoUpstream,
     OverObjective,

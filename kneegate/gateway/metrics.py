@@ -22,7 +22,7 @@ and `kneegate_engine_stale` (1 when there are no figures younger than `stale_aft
 `kneegate_upstream_stalled` (running requests, no new tokens). Scrapes are counted by outcome
 in `kneegate_engine_scrapes_total`.
 
-The scale-out signal of the pool of upstreams (gateway/demand.py), read at scrape time too:
+The scale-out signal of the pool of upstreams (admission/demand.py), read at scrape time too:
 `kneegate_demand_ratio` (offered load over what the usable upstreams serve at their
 limits), `kneegate_suggested_replicas` (ceil(usable upstreams x ratio / scale.target)), and
 the two rates the ratio is made of, `kneegate_demand_offered_requests_per_second` and
@@ -49,8 +49,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kneegate.admission.demand import DemandEstimate
 from kneegate.controllers.base import Outcome
-from kneegate.gateway.demand import DemandEstimate
 from kneegate.gateway.telemetry import Telemetry
 from kneegate.gateway.types import Clock
 
@@ -151,7 +151,7 @@ def _add_engine(fams: dict[str, GaugeMetricFamily], name: str, t: Telemetry) -> 
 
 
 def _demand_families(e: DemandEstimate | None) -> Iterator[Metric]:
-    """The scale-out signal (gateway/demand.py): absent, not zero, until it is known, so an
+    """The scale-out signal (admission/demand.py): absent, not zero, until it is known, so an
     autoscaler holds rather than scales in on a gateway that has measured nothing yet."""
     gauges = (
         ("kneegate_demand_ratio", "Offered load over what the usable upstreams serve at "

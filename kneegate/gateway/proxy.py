@@ -39,9 +39,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 
+from kneegate.admission.types import TenantPolicy
 from kneegate.controllers.base import Outcome, Sample
 from kneegate.gateway.access import AccessLog
-from kneegate.gateway.admission_types import TenantPolicy
 from kneegate.gateway.config_upstream import public_url
 from kneegate.gateway.errors import (
     BodyTooLarge,
@@ -292,7 +292,7 @@ class Proxy:
         # The prompt's size in tokens, read from its content: a leading signal of the KV
         # footprint (controllers learn the engine's tokens per estimate from finished
         # prompts), weighed against a controller's token budget. A request that is not
-        # generation passes with no slot and is no evidence (gateway/admission.py).
+        # generation passes with no slot and is no evidence (admission/queue.py).
         if cls not in self.gate.queue.classes:  # a reload removed it while the body came
             cls = self.settings.default_class
         try:

@@ -16,7 +16,7 @@ In order:
 4. no key: one shared tenant, `anonymous`.
 
 Tenants of 2 (not configured) and 3 are `unlisted`: any client can mint them, so the fair
-queue pools them until they have been served (`gateway.fairness`).
+queue pools them until they have been served (`admission.fairness`).
 
 Metrics name a tenant by its `label`: a configured tenant's name, else its hashed name, for
 the first `LABELS_MAX` such tenants a process sees, and `other` after that, so a flood of
@@ -32,7 +32,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-from kneegate.gateway.admission_types import ANONYMOUS, TenantPolicy
+from kneegate.admission.types import ANONYMOUS, TenantPolicy
 from kneegate.gateway.config import GatewayConfig
 
 __all__ = ["Tenants"]

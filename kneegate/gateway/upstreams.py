@@ -67,9 +67,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kneegate.admission.types import UpstreamState
 from kneegate.controllers.base import EngineStats, LimitController
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission_types import UpstreamState
 from kneegate.gateway.config_upstream import UpstreamConfig, public_url
 from kneegate.gateway.probe import probe, scrape
 from kneegate.gateway.telemetry import Progress, Telemetry

@@ -23,6 +23,19 @@ def test_the_stand_in_is_kneegates_app_with_the_benchmarks_flags(
     assert cfg.server.access_log is False
 
 
+def test_the_stand_ins_config_is_what_the_command_line_builds() -> None:
+    """The load tools sit below the CLI, so the stand-in builds its config itself; it must
+    stay the config that `kneegate serve` builds from the same flags."""
+    from kneegate.benchmarks.asgi_app import LIMIT, config
+    from kneegate.cli import _parser, apply_flags
+    from kneegate.gateway.config import GatewayConfig
+
+    url = "http://127.0.0.1:45678"
+    flags = ["serve", "--upstream", url, "--controller", "fixed", "--limit", str(LIMIT),
+             "--no-access-log"]
+    assert config(url) == apply_flags(GatewayConfig(), _parser().parse_args(flags))
+
+
 @pytest.mark.anyio
 async def test_the_floor_answers_the_stream_the_benchmarks_upstream_sends() -> None:
     """`benchmarks.overhead --floor` compares like with like: uvicorn's stock HTTP protocol

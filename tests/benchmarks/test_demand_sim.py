@@ -1,5 +1,5 @@
 """The scale-out signal in the simulator (about a second a run): the demand ratio that the
-admission queue's estimator (gateway/demand.py) reads, seed 7, `knee` controller, default
+admission queue's estimator (admission/demand.py) reads, seed 7, `knee` controller, default
 half-life, against what the run itself shows.
 
 The truth is offered / served at the engine's capacity: requests arriving per second over

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kneegate.admission.fairness import jain_index
 from kneegate.benchmarks.minting import compare, newcomers, served
 from kneegate.benchmarks.simulate import (
     Tenant,
@@ -14,7 +15,6 @@ from kneegate.benchmarks.simulate import (
     tenant_rows,
     water_fill,
 )
-from kneegate.gateway.fairness import jain_index
 
 
 def test_water_fill_caps_each_at_its_demand_and_shares_the_rest_by_weight() -> None:

@@ -6,11 +6,8 @@ import pytest
 from helpers.controllers import make_sample
 from helpers.gateway import warm_rate
 
-from kneegate.controllers.base import EngineStats, Outcome, Sample
-from kneegate.controllers.fixed import Fixed, FixedConfig
-from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import AdmissionQueue
-from kneegate.gateway.admission_types import (
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.types import (
     Admitted,
     ClassPolicy,
     Queued,
@@ -19,7 +16,10 @@ from kneegate.gateway.admission_types import (
     Ticket,
     UpstreamState,
 )
-from kneegate.gateway.admission_wait import PrefillLine
+from kneegate.admission.wait import PrefillLine
+from kneegate.controllers.base import EngineStats, Outcome, Sample
+from kneegate.controllers.fixed import Fixed, FixedConfig
+from kneegate.controllers.registry import build_controller
 
 
 def pool(*limits: int) -> list[UpstreamState]:

@@ -9,17 +9,17 @@ import pytest
 from helpers.gateway import gw_config
 from prometheus_client import CollectorRegistry
 
-from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import AdmissionQueue
-from kneegate.gateway.admission_types import (
+from kneegate.admission.demand import Demand, DemandEstimate, suggested_replicas
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.types import (
     Admitted,
     ClassPolicy,
     Rejected,
     Ticket,
     UpstreamState,
 )
+from kneegate.controllers.registry import build_controller
 from kneegate.gateway.app import Gateway
-from kneegate.gateway.demand import Demand, DemandEstimate, suggested_replicas
 from kneegate.gateway.metrics import GatewayMetrics
 
 LN2 = math.log(2.0)

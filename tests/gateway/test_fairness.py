@@ -9,9 +9,9 @@ from helpers.gateway import warm_rate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import AdmissionQueue
-from kneegate.gateway.admission_types import (
+from kneegate.admission.fairness import OUTPUT_WEIGHT, FairQueue
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.types import (
     Admitted,
     ClassPolicy,
     Queued,
@@ -21,7 +21,7 @@ from kneegate.gateway.admission_types import (
     Ticket,
     UpstreamState,
 )
-from kneegate.gateway.fairness import OUTPUT_WEIGHT, FairQueue
+from kneegate.controllers.registry import build_controller
 
 A, B, C = TenantPolicy("a"), TenantPolicy("b"), TenantPolicy("c")
 

@@ -8,10 +8,10 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.types import ClassPolicy
 from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import AdmissionQueue
-from kneegate.gateway.admission_types import ClassPolicy
 from kneegate.gateway.errors import QueueFull, QueueTimeout
 from kneegate.gateway.gate import Gate, Permit
 from kneegate.gateway.metrics import GatewayMetrics

@@ -7,10 +7,9 @@ import dataclasses
 import pytest
 from helpers.controllers import make_sample
 
-from kneegate.controllers.base import EngineStats, Outcome
-from kneegate.controllers.registry import build_controller
-from kneegate.gateway.admission import AdmissionQueue
-from kneegate.gateway.admission_types import (
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.slow_start import SlowStart, saturated
+from kneegate.admission.types import (
     ClassPolicy,
     Queued,
     Rejected,
@@ -18,7 +17,8 @@ from kneegate.gateway.admission_types import (
     Ticket,
     UpstreamState,
 )
-from kneegate.gateway.slow_start import SlowStart, saturated
+from kneegate.controllers.base import EngineStats, Outcome
+from kneegate.controllers.registry import build_controller
 
 CLASSES = {"default": ClassPolicy("default", max_wait=30.0, ttft_objective=2.0)}
 

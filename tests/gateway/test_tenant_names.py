@@ -9,7 +9,7 @@ import tracemalloc
 
 from helpers.gateway import gw_config
 
-from kneegate.gateway.admission_types import ANONYMOUS
+from kneegate.admission.types import ANONYMOUS
 from kneegate.gateway.tenants import Tenants
 
 SALT = "a-deployment-secret-0123456789"

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
-from kneegate.gateway.admission import AdmissionQueue
+from kneegate.admission.queue import AdmissionQueue
 from kneegate.gateway.config import GatewayConfig, parse_config
 from kneegate.gateway.server import serving as serve  # noqa: F401 - the tests' name for it
 

@@ -1,0 +1,14 @@
+"""The pure admission core: admit now, queue, or shed. No I/O, no clocks, no asyncio.
+
+Time comes in as data (`now` on every call), so the gateway (real time, through
+`kneegate.gateway.gate`) and the simulator (`kneegate.benchmarks.simulate`, virtual time)
+run this very code. It imports `kneegate.controllers` and nothing else of kneegate's.
+
+    queue       AdmissionQueue: offer, release, tick, pump, expire; owns each upstream
+                controller's lifecycle
+    types       its values: tickets, class and tenant policies, upstream state, verdicts
+    wait        the predicted wait (completion rate, engine TTFT) and the standing-queue test
+    fairness    fair shares between tenants, counted in tokens; per-tenant token buckets
+    demand      the scale-out signal: the load offered over what the engines serve
+    slow_start  an upstream's limit before its engine has shown saturation
+"""
