@@ -48,7 +48,7 @@ The bound (VTC's Theorem, in the form this queue keeps it): while two tenants st
 backlogged, their counters differ by at most one prompt charge plus the output charges of
 the requests in flight (`limit` x the largest output charge). The last time the tenant now
 ahead was dispatched it was the least served; since then only that request's prompt and
-the output of its requests in flight were added. tests/gateway/test_fairness.py checks it
+the output of its requests in flight were added. tests/admission/test_fairness.py checks it
 with hypothesis over random traffic. (A tenant coming back may start up to `CREDIT`
 requests below the least served: the bound holds again once it has been served that much.)
 

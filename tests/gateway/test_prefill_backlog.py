@@ -1,6 +1,6 @@
 """The engine's prefill backlog over real sockets: the relay tells admission of each streamed
 answer's first token (`kneegate_awaiting_first_token`), and a non-streamed one is not
-counted. The cap's arithmetic is in test_admission.py."""
+counted. The cap's arithmetic is in tests/admission/test_queue.py."""
 
 from __future__ import annotations
 
