@@ -1,7 +1,7 @@
 """Controllers against the engine core in virtual time, over named scenarios.
 
 One deterministic loop per run: a seeded arrival process offers requests to the
-gateway's own admission queue (`gateway.admission.AdmissionQueue`, one per gateway);
+gateway's own admission queue (`admission.queue.AdmissionQueue`, one per gateway);
 admitted requests go into one shared `EngineCore`; the virtual clock advances by each
 step's duration; every `tick` seconds each gateway's controller gets `on_tick(now,
 in-flight)`; the engine is scraped every second and the scrape reaches the controllers
