@@ -150,6 +150,7 @@ class FairQueue:
     # a request's expected output charge, for estimating queued work (an EWMA)
     mean_output: float = 0.0
     _accounts: dict[str, _Account] = field(default_factory=dict)
+    _weights: float = 0.0  # the accounts' weights, summed (`under_share`)
     _backlogged: dict[str, _Account] = field(default_factory=dict)  # those with a queue
     _idle: OrderedDict[str, float] = field(default_factory=OrderedDict)  # name -> counter
     # unlisted tenants served from the pool: name -> the pool's counter then (an LRU)
@@ -358,6 +359,19 @@ class FairQueue:
         start = max(self._idle.get(policy.name, least), least)
         return max(self._graduated.get(policy.name, start), start)
 
+    def under_share(self, ticket: Ticket, slots: float) -> bool:
+        """Whether `ticket`'s tenant (its pool, while pooled) holds fewer requests, queued
+        and in flight here, than its weighted share of `slots` among the tenants holding
+        some here, itself included. A tenant alone is never under it: its excess is the
+        only excess there is."""
+        policy = self._owner(ticket)
+        a = self._accounts.get(policy.name)
+        held = a.inflight + len(a.queued) if a is not None else 0
+        others = self._weights - (a.policy.weight if a is not None else 0.0)
+        if others <= 1e-9:
+            return False
+        return held < slots * policy.weight / (policy.weight + others)
+
     def _owner(self, ticket: Ticket) -> TenantPolicy:
         """Whose account `ticket` is queued and charged under: the pool's while its tenant
         is unlisted and has not been served here (and for good once it was placed so), its
@@ -387,7 +401,9 @@ class FairQueue:
         if a is None:
             self._idle.pop(policy.name, None)
             a = self._accounts[policy.name] = _Account(policy, start)
+            self._weights += policy.weight
         else:
+            self._weights += policy.weight - a.policy.weight
             a.policy = policy  # a reload may have changed its weight
             if not a.queued:
                 a.counter = start
@@ -469,6 +485,7 @@ class FairQueue:
         if a.queued or a.inflight > 0:
             return
         del self._accounts[a.policy.name]
+        self._weights -= a.policy.weight
         if a.counter > self.floor:
             self._idle[a.policy.name] = a.counter
             self._idle.move_to_end(a.policy.name)

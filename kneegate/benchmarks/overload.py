@@ -95,6 +95,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -410,10 +411,12 @@ def per_key(users: list[Record], seconds: float, max_tokens: int,
         served = sum(r.tokens for r in recs
                      if r.done and r.ttft is not None and r.ttft <= objective)
         rejected = [r for r in recs if r.status is not None and r.status != 200]
+        reasons = Counter(r.reason or str(r.status) for r in rejected)
         out[key] = {"users": len(recs), "demand_tok_s": asked / seconds,
                     "served_within_objective": served / asked if asked else None,
                     "rejected": len(rejected),
-                    "with_retry_after": sum(r.retry_after for r in rejected)}
+                    "with_retry_after": sum(r.retry_after for r in rejected),
+                    "reasons": dict(reasons.most_common())}
     return out
 
 
@@ -422,7 +425,8 @@ def _key_row(key: str, k: dict[str, Any]) -> str:
     return (f"    key {key}: {k['users']} users, demand {k['demand_tok_s']:.0f} tok/s, "
             f"{'-' if served is None else format(served, '.2f')} of it completed with a "
             f"first token within the objective; {k['rejected']} rejected, "
-            f"{k['with_retry_after']} with Retry-After")
+            f"{k['with_retry_after']} with Retry-After"
+            + "".join(f"; {n} {why}" for why, n in k.get("reasons", {}).items()))
 
 
 def _ms(x: float | None) -> float | None:

@@ -208,6 +208,32 @@ def test_over_the_objective_the_heavy_tenants_newest_is_told_at_once() -> None:
     assert answer.retry_after == 1 and q.depth() == 3
 
 
+def test_a_tenant_under_its_share_may_wait_its_objective_where_one_over_it_is_refused() -> None:
+    """The queue's budget rations the excess of tenants over their share of the slots: a,
+    alone and holding both, is refused a predicted wait over the budget; b, holding none,
+    is queued for the same wait, which its objective allows."""
+    up = UpstreamState("u", build_controller("fixed", {"initial": 2}))
+    policy = ClassPolicy("c", ttft_objective=1.5, queue_budget=0.25)
+    q = AdmissionQueue([up], {"c": policy}, max_queue=64)
+    flying = [ticket(A, 0.0)]
+    assert isinstance(q.offer(flying[0], 0.0), Admitted)
+    flying.append(ticket(A, 0.5))
+    assert isinstance(q.offer(flying[1], 0.5), Admitted)
+    for i in range(2, 6):  # each lasts 1 s: one ends every 0.5 s, and another takes its slot
+        now = 0.5 * i
+        q.release(flying.pop(0), now, make_sample(duration=1.0, ttft=0.5, output_tokens=5))
+        flying.append(ticket(A, now))
+        assert isinstance(q.offer(flying[-1], now), Admitted)
+    assert 1.5 < q.completion_rate <= 2.0 and q.engine_ttft == 0.5
+    # the next slot frees in ~0.5-0.6 s: over the budget, 0.25 x (1.5 - 0.5), within 1.5 - 0.5
+    over = q.offer(ticket(A, 2.6), 2.6)
+    assert isinstance(over, Rejected) and over.reason is RejectReason.OVER_OBJECTIVE
+    under = q.offer(ticket(B, 2.6), 2.6)
+    assert isinstance(under, Queued) and under.position == 0 and under.evicted is None
+    again = q.offer(ticket(A, 2.7), 2.7)  # a still holds both slots, over its share of one
+    assert isinstance(again, Rejected) and again.reason is RejectReason.OVER_OBJECTIVE
+
+
 def test_a_tenant_at_its_in_flight_cap_is_refused_with_its_own_reason() -> None:
     up = UpstreamState("u", build_controller("fixed", {"initial": 4}))
     q = AdmissionQueue([up], CLASSES, max_queue=4)
