@@ -95,9 +95,10 @@ def test_per_key_figures_follow_each_keys_measured_users() -> None:
     ]
     k = per_key(recs, seconds=2.0, max_tokens=64, objective=2.0)
     assert k["light"] == {"users": 2, "demand_tok_s": 64.0, "served_within_objective": 0.5,
-                          "rejected": 0, "with_retry_after": 0}
+                          "rejected": 0, "with_retry_after": 0, "reasons": {}}
     assert k["heavy"]["served_within_objective"] == pytest.approx(1 / 3)
     assert (k["heavy"]["rejected"], k["heavy"]["with_retry_after"]) == (2, 1)
+    assert k["heavy"]["reasons"] == {"429": 1, "503": 1}  # no gateway's reason header: status
 
 
 def test_round_medians_take_each_ratio_within_its_round() -> None:
