@@ -35,7 +35,9 @@ its TTFT p99 from send (median and worst) and every round's goodput. vLLM's CPU 
 by +-10% between runs of one arm; a ratio from one round cannot tell 0.86 from 0.95.
 
 `--keys heavy:8,light:1` gives each user an API key (`Authorization: Bearer NAME`), drawn by
-those shares: the tenants of issue 15. Each cell then prints a line per key: its demand
+those shares: the tenants of issue 15; a name ending in `*` (`heavy*:8`) is a client that
+mints a fresh key for every request (`heavy-1`, `heavy-2`, ...), counted as one in the
+table. Each cell then prints a line per key: its demand
 (output tokens/s its measured users asked for), the fraction of that demand completed with a
 first token within the objective, its rejections and how many carried Retry-After.
 
@@ -87,6 +89,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -121,6 +124,9 @@ class Arm:
     name: str
     engine_flags: tuple[str, ...] = ()
     gateway_flags: tuple[str, ...] | None = None  # None: the client talks to the engine
+
+
+_MINTED = itertools.count(1)  # the keys minted by `--keys NAME*:SHARE` users
 
 
 @dataclass(slots=True)
@@ -173,7 +179,10 @@ class _Client:
         """Send `body` (default: the fixed one) as user `rec`, and follow it to its end."""
         loop = asyncio.get_running_loop()
         sent, sent_loop = time.monotonic(), loop.time()
-        headers = {"authorization": f"Bearer {rec.key}"} if rec.key else None
+        bearer = rec.key
+        if bearer.endswith("*"):  # a client that mints a key per request
+            bearer = f"{bearer[:-1]}-{next(_MINTED)}"
+        headers = {"authorization": f"Bearer {bearer}"} if bearer else None
         try:
             async with asyncio.timeout(self.args.give_up) as bound:
                 async with self.session.post(self.endpoint, json=body or self.body,
