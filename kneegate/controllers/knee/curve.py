@@ -151,7 +151,7 @@ def _fit_knee(pts: list[Point], a: float, b: float, var: float, e_min: float) ->
     end, 0.886 of the oracle; the knee at 100 instead, 0.957. Over seeds 1-72: mean 0.940 ->
     0.951, under 0.95 at 36 -> 26 seeds; noisy-cpu-3x (seeds 1-36) 0.977 -> 0.981. Where the
     points lie on the line (the noise-free scenarios) the knee is the fit's
-    (docs/benchmarks.md, "A fitted knee within its noise of the top").
+    (docs/history/benchmarks.md, "A fitted knee within its noise of the top").
 
     The error is added, not multiplied in on a log scale, and it is a / b's own, not its
     relative one: on a flat curve a ~ 0, and a / b's relative error is hundreds of times
@@ -254,7 +254,7 @@ class Curve:
         not pay, a plateau from 32 held the limit at 26-35, and its windows there (799-1,063
         tokens/s at 26-32, each in a bin of its own) left the noise at 0 until 93 s: 0.792 of
         the oracle. Read as re-readings of their neighbours, the step's gain clears the
-        noise: 0.903. Over seeds 1-72, 0.951 -> 0.957 (docs/benchmarks.md, "Neighbours
+        noise: 0.903. Over seeds 1-72, 0.951 -> 0.957 (docs/history/benchmarks.md, "Neighbours
         measure the noise")."""
         if tput <= 0 or p.throughput <= 0:
             return
@@ -310,7 +310,7 @@ class Curve:
         spell's 1,341 at 60) held the knee at 64 and the limit at 61 to the end (0.887 of
         the oracle); faded, the limit measures the gap again: 0.921. Over seeds 1-108
         0.968 -> 0.970 (+0.003, standard error 0.001, 19 better, 4 worse); noisy-cpu-3x and
-        the other 15 scenarios within their noise (docs/benchmarks.md, "A decline read
+        the other 15 scenarios within their noise (docs/history/benchmarks.md, "A decline read
         once fades")."""
         walked = self._walked()
         kept = self._until_decline(walked)
@@ -387,7 +387,7 @@ class Curve:
         64 and the limit at 61 to the end, where a fixed 88 serves best. The re-reading at
         127 puts one window's noise at ~15%: the gain, -0.16, has a standard error of 0.28,
         and the curve runs on; with TPOT's aim (`Knee._to_aim`) the limit held ~90-110 from
-        73 s (docs/benchmarks.md, "Verdicts that clear the noise")."""
+        73 s (docs/history/benchmarks.md, "Verdicts that clear the noise")."""
         span = math.log(q.concurrency / p.concurrency)
         se = math.sqrt(self.noise() * (p.var + q.var)) / span
         return _gain(p, q) + se < self.e_min()
@@ -450,7 +450,7 @@ class Curve:
         second's counters swing far besides (1,807 tokens/s at 121 in flight, 1,394 at 61,
         where windows' means read 1,000-1,200 around them). As the best, it made the next
         window's mean a decline: 977 at 113 after 1,394 at 61 put the knee at 61
-        (docs/benchmarks.md, "Real vLLM in rounds").
+        (docs/history/benchmarks.md, "Real vLLM in rounds").
 
         A decline holds from its reference (the best throughput, the best power) and from
         each level kept within `pair` under it (`_under`), as a plateau must: one lucky
@@ -460,7 +460,7 @@ class Curve:
         pay by one standard error, a decline that held the limit at 30 for the whole run,
         while its windows at 30 read 919 over four (0.854 of the oracle). From 30 the step
         paid: 0.946. With TPOT's aim lowered by the noise (`Knee._aim_level`), noisy-gentle-3x
-        over seeds 1-108 0.959 -> 0.968 (docs/benchmarks.md, "Noise in the aim").
+        over seeds 1-108 0.959 -> 0.968 (docs/history/benchmarks.md, "Noise in the aim").
 
         The reference is a level read within `objective_memory` (30 s) of the curve's latest
         window: an older reading may be from another spell of the host, and the limit, held
@@ -472,7 +472,7 @@ class Curve:
         under half of 30's, a decline that held the limit at 63-73 while a fixed 110 serves
         best (0.867 of the oracle); judged from fresh levels only, 0.897. Over seeds 1-108
         0.970 -> 0.977 (+0.006, standard error 0.0015, 31 better, 9 worse); noisy-cpu-3x
-        and the other 15 scenarios within their noise (docs/benchmarks.md, "A decline's
+        and the other 15 scenarios within their noise (docs/history/benchmarks.md, "A decline's
         reference is fresh"). On a curve that settled under a real knee the limit re-reads
         the levels just under it: the references stay fresh."""
         kept: list[Point] = []

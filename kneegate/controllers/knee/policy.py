@@ -153,7 +153,7 @@ class Knee(Windowed):
         filled it to 0.95-1.00 with one preemption. bursts-lowrate at seeds 1-7: 0.919-0.969
         of the oracle -> 0.942-0.997. Sustained overload seldom drains: bursts-sustained
         (each burst outlasts a life) moved by -0.016 to +0.015, the rest by at most +0.011
-        (docs/benchmarks.md, "A burst's token budget")."""
+        (docs/history/benchmarks.md, "A burst's token budget")."""
         return self._now - self._drained_at <= self._cal.life
 
     def _part(self) -> float:
@@ -326,7 +326,7 @@ class Knee(Windowed):
         climb stops at 101 (64 x 0.85 x 0.1 / 0.054), no window of it breaks the objective,
         and the curve's noise moves the limit over 51-107 after it (0.917). Seeds 1-12: mean
         0.898 -> 0.933, worst 0.812 -> 0.891; noisy-cpu-3x mean 0.971 -> 0.978 (seed 7 0.978
-        -> 0.920); the other 15 scenarios at seeds 7, 1-4 within 0.01 (docs/benchmarks.md,
+        -> 0.920); the other 15 scenarios at seeds 7, 1-4 within 0.01 (docs/history/benchmarks.md,
         "TPOT stops the climb").
 
         `level` is where the window's latencies were read: its mean level, also for the
@@ -335,7 +335,7 @@ class Knee(Windowed):
         TPOT 0.066 s over a window whose mean was 84 as if at 103 and climbed to 131, past
         the objective in the next slow spell (0.936 of the oracle; 0.984 from 84): seeds
         1-108 +0.002 (se 0.0017), noisy-cpu-3x 1-72 +0.001 (seed 7 0.936 -> 0.983), the
-        other 15 scenarios unchanged (docs/benchmarks.md, "A climb's TPOT from its own
+        other 15 scenarios unchanged (docs/history/benchmarks.md, "A climb's TPOT from its own
         level")."""
         c = self.cfg
         bound = math.inf
@@ -360,7 +360,7 @@ class Knee(Windowed):
         declines read from a reference's neighbours too (`Curve._until_decline`), 0.959 ->
         0.968; each alone (seeds 1-72) +0.002-0.003: that rule lets the limit climb past
         false declines that had held it under 110, where this aim holds it
-        (docs/benchmarks.md, "Noise in the aim")."""
+        (docs/history/benchmarks.md, "Noise in the aim")."""
         aim = self.cfg.tpot_aim * math.exp(-math.sqrt(self._curve.noise()))
         return level * aim * self.cfg.tpot_objective / tpot
 
@@ -484,7 +484,7 @@ class Knee(Windowed):
         rose only once a window saw it saturated: bursts-lowrate at seed 1 held 32 (the
         first burst's one climb step from 16) from 10.5 s to 39.5 s under a room of 45, and
         shed 18 requests at 36-39 s. Waiting at the target, 0.938 -> 0.957 of the oracle;
-        over seeds 1-7 and the suite: docs/benchmarks.md ("An idle limit waits at its
+        over seeds 1-7 and the suite: docs/history/benchmarks.md ("An idle limit waits at its
         target")."""
         return steady and self._room.grounded
 
@@ -511,7 +511,7 @@ class Knee(Windowed):
         under the room only slowed the approach. On H100 (gpu-h100, seed 4: a soft curve
         whose fitted knee read 1010, past a room of ~630) the limit took 15 s to climb from
         273 to 583 by steps of x1.35, x1.29, x1.23; with a full step, 273 -> 547 at 33.5 s
-        and 625 at 41.5 s (docs/benchmarks.md, "The climb to a measured room")."""
+        and 625 at 41.5 s (docs/history/benchmarks.md, "The climb to a measured room")."""
         step = 1 + self.cfg.climb
         grow = self._limit * (1 + self.cfg.climb * self._curve.elasticity(level))
         if self._room.value <= step * step * self._limit:
