@@ -37,8 +37,8 @@ against a minting client, from 0.01-0.06x (docs/experiments/2026-12-07-minted-ke
 Why the credit: a tenant asking for about its share, in random arrivals, empties its queue
 often, and the plain rule gives each such moment to whoever is always backlogged. In the
 simulator (benchmarks/scenarios/tenants-heavy-light.yaml, one tenant at 10x the rate of five
-others, 3x capacity) the lowest light tenant got 0.87 of its fair share with the plain rule
-and 0.92-0.93 with a credit of 3 at seeds 7, 1 and 2 (each step: docs/benchmarks.md).
+others, 3x capacity) the plain rule left the lowest light tenant well under its fair share
+(each step: docs/history/benchmarks.md, "In the simulator (issue 15), 2026-12-01").
 Only a tenant with requests in flight gets it, so a flood of new API keys gets none.
 
 Why counters and not round robin by requests: a tenant whose requests are ten times longer
@@ -59,9 +59,8 @@ unit of weight, less the class's `floor` then (never below the tenant's previous
 tenant's own requests always count ahead of its next). Less the floor, because every counter
 moves on while a request waits (its tenant's answers stream): taken whole, the tags of a
 tenant with 30 answers streaming went stale within a queue's wait, and a light tenant
-arriving behind them was counted behind all of them and refused (in the simulator the lowest
-light tenant read 0.907 / 0.925 / 0.902 at seeds 7 / 1 / 2 with whole tags, 0.924 / 0.929 /
-0.920 less the floor; docs/benchmarks.md). Rejection falls on the tenant furthest over its
+arriving behind them was counted behind all of them and refused (measured: the same
+section). Rejection falls on the tenant furthest over its
 share: when the queue must shed one request (its wait bound or its count bound), it is the
 queued request with the largest tag (the newest of the tenant whose work would be served
 last), not the newest arrival; the arrival itself when its own tag would be the largest, as

@@ -59,7 +59,7 @@ or where the TTFT does not grow with it (a GPU prefilling a batch in one step); 
 below what frees of the limit while one request awaits its first token (`_refill`). The
 queue, not the engine, then holds what the engine cannot yet prefill, where its wait is
 predicted and bounded. A non-streamed request (no `"stream": true`) shows no first token
-and is not counted. Measured in docs/benchmarks.md ("The prefill backlog").
+and is not counted. Measured in docs/history/benchmarks.md ("The prefill backlog").
 
 The safety net, for when the prediction is wrong (capacity fell, prompts grew, other
 gateways share the engine): while a class's queue stands (`StandingQueue`: every head has

@@ -39,12 +39,10 @@ def engine_ttft_objective(user_objectives: Iterable[float]) -> float:
     admits a request only if the predicted wait plus the engine's expected TTFT fits
     (admission/wait.py), so the wait has its own bound.
 
-    The whole objective, not a share of it (docs/benchmarks.md, 2026-12-01): held to 3/4
-    or 1/2 of it, the simulator's bursts-lowrate fell 0.937 -> 0.865 and 0.930 -> 0.822 of
-    the oracle at seeds 7 and 4 (a drain window's answers, admitted at a burst's peak, read
-    a TTFT p90 of 1.85 s); seeds 1, 2, 3, 5 and every other scenario moved by 0.02 at
-    most. On vLLM's CPU build at 3x, goodput over capacity read 0.46-0.68 (median 0.61)
-    at 3/4 against 0.48-0.69 (median 0.54) with the whole, in runs as noisy as that."""
+    The whole objective, not a share of it: held to a share, a drain window's answers,
+    admitted at a burst's peak, read as a breach and cut the limit, and on real vLLM a
+    share gained nothing beyond the runs' noise (measured: docs/history/benchmarks.md,
+    "kneegate's limit at 3x on real vLLM")."""
     return min(user_objectives)
 
 

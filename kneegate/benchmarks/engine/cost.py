@@ -22,7 +22,7 @@ build (profile cpu-tiny-avx2): the max() form, fitted, missed the live tok/s cur
 24%; the sum fits it within 7%.
 
 A real host's speed is not constant: on vLLM's CPU build 5-second windows held at one level
-read throughputs ~6-10% apart (docs/benchmarks.md, "A plateau read over 1.5x"). `Wander`
+read throughputs ~6-10% apart (docs/history/benchmarks.md, "A plateau read over 1.5x"). `Wander`
 models that (profile keys `jitter`, `jitter_s`): each step's time is multiplied by exp(x),
 x an Ornstein-Uhlenbeck process in engine time with sd `jitter` and correlation time
 `jitter_s` (a window of one correlation time averages to an sd of ~0.86 x `jitter`).

@@ -140,26 +140,12 @@ def _fit_knee(pts: list[Point], a: float, b: float, var: float, e_min: float) ->
     `FIT_Z` standard errors of it, the highest level: so noisy a fit cannot tell the knee
     from it; else the knee raised by those errors, no lower than the lowest level.
 
-    The knee is a ratio of the two fitted coefficients, about eight times a / b at the default
-    e_min, and where one window's throughput wanders it is uncertain by tens of percent;
-    as the lowest of three readings (fit, plateau, top), its low end held the limit far
-    under the knee. noisy-gentle-3x (a host whose speed wanders by ~10% a window, on a curve
-    that bends gently; a fixed 88 serves best): of the windows after 40 s that left the
-    limit under 70, over seeds 1-36, the fit set the knee in 231, a decline in 128, a
-    plateau in 33. At seed 16 the levels kept were 32, 43, 60, 64 and 100 (each step up
-    paid), and their fit put the knee at 32, then 30: the limit held 28-35 from 76 s to the
-    end, 0.886 of the oracle; the knee at 100 instead, 0.957. Over seeds 1-72: mean 0.940 ->
-    0.951, under 0.95 at 36 -> 26 seeds; noisy-cpu-3x (seeds 1-36) 0.977 -> 0.981. Where the
-    points lie on the line (the noise-free scenarios) the knee is the fit's
-    (docs/benchmarks.md, "A fitted knee within its noise of the top").
-
-    The error is added, not multiplied in on a log scale, and it is a / b's own, not its
-    relative one: on a flat curve a ~ 0, and a / b's relative error is hundreds of times
-    itself (noisy-cpu-3x at seed 13, under a try: 417; a knee of 0.11 times exp(2 x 417)
-    overflowed and the controller's window raised), or, where a curve reads the same
-    throughput at every level, a = 0 and it divided by zero. Added, that knee reads 45 (levels
-    28-83 kept, the curve flat from ~57); where the error is tens of percent the two agree
-    to a few percent (noisy-gentle-3x over seeds 1-72: +0.002, standard error 0.0015)."""
+    Why: the knee is a ratio of the two fitted coefficients, and where one window's
+    throughput wanders it is uncertain by tens of percent; as the lowest of three
+    readings its low end held the limit far under the knee. The error is added, and it
+    is a / b's own, not its relative one: on a flat curve a ~ 0 and the relative error
+    overflows. Measured: docs/design/knee.md, "The curve" (A fitted knee within its
+    noise of the top)."""
     knee, top = a / b * (1 / e_min - 1), pts[-1].concurrency
     if knee < top:
         knee = min(top, knee + FIT_Z * (1 / e_min - 1) * math.sqrt(var))
@@ -204,11 +190,8 @@ class Curve:
         # a level, not a ramp: in-flight stayed near its peak through the window
         steady = w.inflight >= 0.8 * w.max_inflight
         # and on the engine's curve the engine's level (its scrapes, seconds behind) reached
-        # it too: a burst's first window held 25 of 28 at the gateway while the scrapes read
-        # 17 at 132 tokens/s, prefills, against 177 at 14, a 'decline' that ended the curve
-        # at 16 and held bursts-lowrate (seed 1) at 13-16 from 122 s on. With the
-        # room held while app-limited it read 0.90 / 0.60 / 0.75 of the oracle at seeds 7 /
-        # 1 / 2 without this test, 0.92 / 0.83 / 0.97 with it
+        # it too: else a burst's first window reads its prefills as a 'decline' that ends
+        # the curve (docs/design/knee.md, "Details moved from the docstrings")
         if self.engine_mode:
             steady = steady and level >= 0.8 * w.max_inflight
         if not scrape:
@@ -247,15 +230,8 @@ class Curve:
         residual of ln(tput) squared over (1 + p.var), one window's variance.
 
         Not only p's own bin: a limit held under a knee wanders over neighbouring bins, and
-        each of its windows was a first reading that measured nothing. noisy-gentle-3x (a host
-        whose speed wanders by ~10% a window, on a curve that bends gently; a fixed 88 serves
-        best), seed 49: 32 read 1,063 tokens/s in a fast spell, then two windows at 64 in a
-        slow one 1,083 and 1,083 (a fixed 64 holds ~1,160): the noise read 0, the step did
-        not pay, a plateau from 32 held the limit at 26-35, and its windows there (799-1,063
-        tokens/s at 26-32, each in a bin of its own) left the noise at 0 until 93 s: 0.792 of
-        the oracle. Read as re-readings of their neighbours, the step's gain clears the
-        noise: 0.903. Over seeds 1-72, 0.951 -> 0.957 (docs/benchmarks.md, "Neighbours
-        measure the noise")."""
+        each of its windows was otherwise a first reading that measured nothing.
+        Measured: docs/design/knee.md, "The curve" (Neighbours measure the noise)."""
         if tput <= 0 or p.throughput <= 0:
             return
         r = math.log(tput / p.throughput) - self.elasticity(level) * math.log(level / p.concurrency)
@@ -265,11 +241,10 @@ class Curve:
     def _supersede(self, level: float) -> None:
         """A window's mean within `pair` of a level read by one scrape just after a rise
         measures that level: the scrape's reading goes. It read the engine decoding all it
-        held, no answer ending and no newcomer's prefill in it: on vLLM's CPU build 342
-        tokens/s at 8, where 8 clients direct read 205, and a window's mean at 12.83 read
-        221, a decline that put the knee at 8 and the limit at 7-8 under a region of 8..16.
-        That limit's windows fall a bin or two under 8, so blending never reached the point
-        for its `memory`; here the first of them measures it."""
+        held, no answer ending and no newcomer's prefill in it (on vLLM's CPU build far
+        above a direct sweep at that level), and the limit's windows fall a bin or two under
+        it, so blending never reached the point for its `memory`; here the first of them
+        measures it. Measured: docs/design/knee.md, "Regions" (Linear)."""
         pair = self.cfg.pair
         for key, p in list(self.points.items()):
             if p.scrape and level / pair < p.concurrency < level * pair:
@@ -305,13 +280,7 @@ class Curve:
         """The level the curve declined at, read by one window, fades after
         `objective_memory` as a breach mark does: the limit, held under it, never reads it
         again, and one window in a slow spell is no verdict for `memory` (300 s).
-        noisy-gentle-3x (a host whose speed wanders by ~10% a window; a fixed 88-110 serves
-        best), seed 94: 118 read once in a slow spell (1,017 tokens/s, 24% under a fast
-        spell's 1,341 at 60) held the knee at 64 and the limit at 61 to the end (0.887 of
-        the oracle); faded, the limit measures the gap again: 0.921. Over seeds 1-108
-        0.968 -> 0.970 (+0.003, standard error 0.001, 19 better, 4 worse); noisy-cpu-3x and
-        the other 15 scenarios within their noise (docs/benchmarks.md, "A decline read
-        once fades")."""
+        Measured: docs/design/knee.md, "The curve"."""
         walked = self._walked()
         kept = self._until_decline(walked)
         if len(walked) <= len(kept):
@@ -358,13 +327,12 @@ class Curve:
         """The highest the knee may be when the curve declined past the last level kept:
         that level, or, when the decline was read more than a climb step above it, the
         geometric middle of the two. The knee lies somewhere in such a gap, not at its
-        foot: on vLLM's CPU build one window at 14.8 in flight read 101 tokens/s against
-        133 at 2.0 (a window of prefills), and taken as the decline from 2.0 it put the
-        knee there. Probes go one step past the knee, so nothing measured 14.8 again for
-        the point's `memory` (300 s), and the limit held 1-2 where a direct sweep's knee
-        was 8-16 (`pytest -m real_vllm -k knee_limit_settles`). Bounded at the middle,
-        the limit measures it, and each window halves the gap (by its logarithm) until
-        the levels are a climb step apart."""
+        foot: probes go one step past the knee, so nothing measures the declining level again
+        for the point's `memory` (300 s), and a decline read from a window of prefills held
+        the limit far under the knee on vLLM's CPU build. Bounded at the middle, the limit
+        measures it, and each window halves the gap (by its logarithm) until the levels are
+        a climb step apart. Measured: docs/design/knee.md, "The curve" (Where the curve
+        ends)."""
         foot = kept[-1].concurrency
         past = [p.concurrency for p in self.points.values() if p.steady and p.concurrency > foot]
         if not past or min(past) <= foot * (1 + self.cfg.climb):
@@ -378,16 +346,9 @@ class Curve:
 
     def _unpaid(self, p: Point, q: Point) -> bool:
         """The step from p up to q did not pay: its gain is under e_min by one standard
-        error of the measured noise (the two points' variances, over the step's span).
-
-        noisy-gentle-3x (a host whose speed wanders by ~10% over 5 s, on a curve that bends
-        gently), seed 7: one window at 64 read 1,502 tokens/s, where a fixed 64 holds ~1,150;
-        127 then read 1,496 and 1,203 (blended 1,350; the second broke the TPOT objective):
-        a step that lost 10% while latency doubled, a decline by power that held the knee at
-        64 and the limit at 61 to the end, where a fixed 88 serves best. The re-reading at
-        127 puts one window's noise at ~15%: the gain, -0.16, has a standard error of 0.28,
-        and the curve runs on; with TPOT's aim (`Knee._to_aim`) the limit held ~90-110 from
-        73 s (docs/benchmarks.md, "Verdicts that clear the noise")."""
+        error of the measured noise (the two points' variances, over the step's span): one
+        lucky window is no verdict. Measured: docs/design/knee.md, "The curve" (Verdicts
+        that clear the noise)."""
         span = math.log(q.concurrency / p.concurrency)
         se = math.sqrt(self.noise() * (p.var + q.var)) / span
         return _gain(p, q) + se < self.e_min()
@@ -399,22 +360,18 @@ class Curve:
     def _flat(self, kept: list[Point]) -> float:
         """The lowest kept level from which no step up of `SPAN` (1.5x) or more to a kept
         level pays (measured, not fitted: on a flat plateau the saturating model need not
-        bend). Not a shorter step: where 5 s windows at one level differ by ~6% (vLLM's CPU
-        build, held at 27-30: 783-957 tokens/s), a 17% step's elasticity reads +-0.5 from
-        noise alone against an e_min of 0.11; 951 tokens/s at 25.7 and 957 at 30.0 read as
-        a plateau from 25.7 and held the limit at 24, where a closed-loop sweep reads 60 in
-        flight 15% above 30. A step of 1.5x at the suite's seeds 7 and 1 moved no scenario
-        but cpu-tiny-3x (0.976 -> 0.980 of the oracle at seed 7). Each step must not pay by
-        more than the measured noise (`_unpaid`)."""
+        bend). Not a shorter step: where windows at one level differ by ~6% (vLLM's CPU
+        build), a short step's elasticity reads noise alone. Each step must not pay by more
+        than the measured noise (`_unpaid`). Measured: docs/design/knee.md, "The curve"
+        (Three readings of the knee)."""
         # a draining window's mean in-flight understates the level its throughput came from
         kept = [p for p in kept if p.steady]
         pair = self.cfg.pair
         for p in kept:
             # one scrape just after a rise reads the engine decoding all it holds, no answer
-            # ending and no newcomer's prefill in it: above the level's steady throughput
-            # (H100, seed 1: 9,503 tokens/s at 193, where a fixed limit of 193 holds 8,143).
-            # A plateau from it to the next window's mean at 387 (9,976) cut the limit to
-            # 183 for ~20 s; a window's mean at the level may still be a foot
+            # ending and no newcomer's prefill in it: above the level's steady throughput, so
+            # no plateau's foot (docs/design/knee.md, "Regions"); a window's mean at the
+            # level may still be a foot
             if p.scrape:
                 continue
             # p and the levels just under it, so one lucky window at p is not a plateau
@@ -446,35 +403,17 @@ class Curve:
         by `decline`, or power down to `power_floor` with a step that did not pay. A level
         read by one scrape after a rise (`Point.scrape`) is kept, but its throughput is no
         reference for a decline (its power still is: a step past it that did not pay is
-        still one). It reads the engine decoding all it holds, and on vLLM's CPU build one
-        second's counters swing far besides (1,807 tokens/s at 121 in flight, 1,394 at 61,
-        where windows' means read 1,000-1,200 around them). As the best, it made the next
-        window's mean a decline: 977 at 113 after 1,394 at 61 put the knee at 61
-        (docs/benchmarks.md, "Real vLLM in rounds").
+        still one): it reads the engine decoding all it holds, and one second's counters
+        swing far besides.
 
         A decline holds from its reference (the best throughput, the best power) and from
         each level kept within `pair` under it (`_under`), as a plateau must: one lucky
-        window is no reference. noisy-gentle-3x (a host whose speed wanders by ~10% a
-        window; a fixed 88 serves best), seed 44: 32 read once in a fast spell (1,045
-        tokens/s), 64 twice in a slow one (978): power fell under half and the step did not
-        pay by one standard error, a decline that held the limit at 30 for the whole run,
-        while its windows at 30 read 919 over four (0.854 of the oracle). From 30 the step
-        paid: 0.946. With TPOT's aim lowered by the noise (`Knee._aim_level`), noisy-gentle-3x
-        over seeds 1-108 0.959 -> 0.968 (docs/benchmarks.md, "Noise in the aim").
-
-        The reference is a level read within `objective_memory` (30 s) of the curve's latest
-        window: an older reading may be from another spell of the host, and the limit, held
-        under the decline, never reads it again. On a curve that bends gently, power
-        (throughput^2 / level, by Little's law) is highest far under the knee, at a level
-        the climb read once on its way up. noisy-gentle-3x, seed 22: 30 and 32 read in the
-        first 80 s (1,027 and 1,189 tokens/s; fixed limits of 28-32 serve ~950-970),
-        61-69 read 1,030-1,190 for the next 100 s with TPOT doubled: power fell
-        under half of 30's, a decline that held the limit at 63-73 while a fixed 110 serves
-        best (0.867 of the oracle); judged from fresh levels only, 0.897. Over seeds 1-108
-        0.970 -> 0.977 (+0.006, standard error 0.0015, 31 better, 9 worse); noisy-cpu-3x
-        and the other 15 scenarios within their noise (docs/benchmarks.md, "A decline's
-        reference is fresh"). On a curve that settled under a real knee the limit re-reads
-        the levels just under it: the references stay fresh."""
+        window is no reference. The reference is a level read within `objective_memory`
+        (30 s) of the curve's latest window: an older reading may be from another spell of
+        the host, and the limit, held under the decline, never reads it again. On a curve
+        that settled under a real knee the limit re-reads the levels just under it: the
+        references stay fresh. Measured: docs/design/knee.md, "The curve" (Where the curve
+        ends)."""
         kept: list[Point] = []
         peak: Point | None = None  # the highest throughput so far (no scrape's)
         best: tuple[float, Point] | None = None  # the highest power so far, and its level

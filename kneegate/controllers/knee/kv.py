@@ -4,11 +4,9 @@ At the edge of the KV cache one request is a large part of it (on L4, 11 large r
 fill the cache and 12 start a preemption storm), so two limits in tokens act beside the
 curve's. The engine's running count, KV use and cache are everyone's in front of it: beside
 other gateways each applies its share of the edge and of the budget (`part`, the policy's
-`Share`, 1 alone). Four gateways held by the share of the curve's target alone sat at 0.95
-x the room together, less a floor each (~37 where the best fixed limit is 40 and 44
-preempts: 0.926 of the oracle at 36); with their shares of the edge and the budget
-four-gateways read 0.951 / 0.992 / 0.978 of the oracle at seeds 7 / 1 / 2 (0.938 / 0.955 /
-0.957), no scenario with one gateway moved.
+`Share`, 1 alone): held by the share of the curve's target alone, several gateways sat
+together under the room by a floor each. Measured: docs/design/knee.md, "Several
+gateways".
 
 KV edge, set by each scrape (running n, KV use u) once the capacity C is known, with
 prompt p (the learned size in tokens), mean answer o and a new request's peak p + o:
@@ -24,12 +22,8 @@ prompt p (the learned size in tokens), mean answer o and a new request's peak p 
 
 With a token budget a new request counts what it holds on average (p + held, held the
 answer a running request holds, as `fits` counts it), not its peak: the budget bounds
-the sum already, and at the peak the edge admitted fewer than the budget allows (L4, 512 +
-256 tokens: 35 into an empty cache, the budget 41). Seed 7 / 1 / 2, goodput / oracle,
-peak -> average: bursts-lowrate 0.930 -> 0.937, 0.914 -> 0.914, 0.988 -> 0.981;
-prompt-growth 1.60 -> 1.60, 1.53 -> 1.56, 1.48 -> 1.69; small-kv-decline 0.99 -> 1.01
-(each seed); steady-3x 1.03 -> 1.04, 1.01 -> 1.04, 0.98 -> 1.01; mixed-classes 0.97 ->
-1.02 at seed 1; capacity-drop 1.07 -> 1.05 at seed 7, 0.98 -> 1.02 at seed 2.
+the sum already, and at the peak the edge admitted fewer than the budget allows.
+Measured: docs/design/knee.md, "The KV-cache edge".
 
 Token budget (`fits`), when the engine reports its KV cache's size R (vLLM's
 num_gpu_blocks x block_size), once an answer has finished:

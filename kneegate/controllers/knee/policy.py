@@ -51,8 +51,8 @@ with TPOT p50 over aim x `tpot_objective`: limit = min(limit, max(backoff x limi
 level x aim x tpot_objective / TPOT p50)) (`_to_aim`): TPOT's aim holds both ways.
 
 App-limited (`idle`): in-flight at the limit for under `saturation` of the window, the
-token budget refused no request in it (`fits`; then demand met the budget, not the limit:
-H100 held 600 in flight under a limit of 630 that way), the engine not full, no breach.
+token budget refused no request in it (`fits`; then demand met the budget, not the
+limit), the engine not full, no breach.
 
 A window that moved the limit by more than a bin marks the next one as measuring the
 move; a cut makes samples admitted before it no measurement.
@@ -147,13 +147,7 @@ class Knee(Windowed):
         the answer it holds on average once requests of every age run (`held`); a burst's
         requests are younger and hold less until the burst has lasted a life. Until then
         the budget is `kv_budget_burst` of the cache (all of it), not `kv_budget`.
-
-        bursts-lowrate (4x for 10 s, then 20 s idle) at seed 7 held 41 in flight under the
-        budget while the cache was 0.87-0.89 full (the budget counted 0.95); the oracle's 46
-        filled it to 0.95-1.00 with one preemption. bursts-lowrate at seeds 1-7: 0.919-0.969
-        of the oracle -> 0.942-0.997. Sustained overload seldom drains: bursts-sustained
-        (each burst outlasts a life) moved by -0.016 to +0.015, the rest by at most +0.011
-        (docs/benchmarks.md, "A burst's token budget")."""
+        Measured: docs/design/knee.md, "The token budget" (Bursts)."""
         return self._now - self._drained_at <= self._cal.life
 
     def _part(self) -> float:
@@ -291,12 +285,7 @@ class Knee(Windowed):
         curve (a plateau, a decline, a fit) that no objective's breach backs holds the limit
         one window more, so that a second window at the level joins the first before the
         limit leaves it: nothing measures a level above the knee again for the point's
-        `memory` (300 s).
-
-        noisy-gentle-3x (a host whose speed wanders by ~10%, on a curve that bends gently),
-        seed 3: the climb read 921 tokens/s at 32 and, one window, 952 at 64, where a fixed
-        limit of 64 holds ~1,150: a plateau from 32, and the limit held 30 for the rest of
-        the run, 0.81 of the oracle (a fixed 88)."""
+        `memory` (300 s). Measured: docs/design/knee.md, "Regions" (Confirm)."""
         top = self._curve.highest()
         return (target < self._limit / (1 + self.cfg.bin_ratio) and top is not None
                 and top.at == w.end and top.windows == 1 and not top.scrape
@@ -308,35 +297,19 @@ class Knee(Windowed):
         grown in proportion to the level, would reach its aim (`_aim_level`). Never a cut
         (a breach cuts).
 
-        TTFT: where every prefill queues behind the others (vLLM's CPU build: TTFT 1 s at 8
-        running, 2 s at 16) TTFT grows in step. There, at 3x, 16 with a TTFT p90 (dispatch
-        to first token) of 1.35-1.94 s doubled to 32 (2.7-2.9 s) and the limit came back over
-        ~30 s: users' TTFT p99 from send 3.0-3.6 s, 2.0-2.4 s with the bound, and goodput
-        1.05-1.28x in three runs side by side (docs/benchmarks.md). Where TTFT is far under
-        its objective (every scenario of the simulator) it never binds.
-
+        TTFT: where every prefill queues behind the others (vLLM's CPU build) TTFT grows in
+        step with the limit, and a doubling past the objective took the users' tail past it
+        for the time the cuts took; where TTFT is far under its objective it never binds.
         TPOT: on the plateau a step's time grows with the batch it decodes, so TPOT grows
-        with the level; under the knee it grows slower, and the bound is loose (a doubling
-        at TPOT under half the aim). Aimed under the objective, not at it: every request's
-        TPOT is judged, and at a p50 on the objective half of them miss it.
-        noisy-gentle-3x (a curve that bends gently, 0.1 s objective) at seed 5: a window at
-        94 read 0.087 s, the limit doubled 128 -> 256, 133-140 ran at 0.098-0.108 s for
-        ~25 s, and the cuts that followed read one window's 866 tokens/s at 122 as a decline
-        that held ~61 to the end (0.812 of the oracle, a fixed 88-100). With the bound the
-        climb stops at 101 (64 x 0.85 x 0.1 / 0.054), no window of it breaks the objective,
-        and the curve's noise moves the limit over 51-107 after it (0.917). Seeds 1-12: mean
-        0.898 -> 0.933, worst 0.812 -> 0.891; noisy-cpu-3x mean 0.971 -> 0.978 (seed 7 0.978
-        -> 0.920); the other 15 scenarios at seeds 7, 1-4 within 0.01 (docs/benchmarks.md,
-        "TPOT stops the climb").
+        with the level; under the knee it grows slower, and the bound is loose. Aimed under
+        the objective, not at it: every request's TPOT is judged, and at a p50 on the
+        objective half of them miss it.
 
         `level` is where the window's latencies were read: its mean level, also for the
         window after a rise that `_climbed` reads at its last scrape (its answers ended
-        while it held less). Scaled from the last scrape, noisy-gentle-3x at seed 46 read
-        TPOT 0.066 s over a window whose mean was 84 as if at 103 and climbed to 131, past
-        the objective in the next slow spell (0.936 of the oracle; 0.984 from 84): seeds
-        1-108 +0.002 (se 0.0017), noisy-cpu-3x 1-72 +0.001 (seed 7 0.936 -> 0.983), the
-        other 15 scenarios unchanged (docs/benchmarks.md, "A climb's TPOT from its own
-        level")."""
+        while it held less). Measured: docs/design/knee.md, "Regions" (TPOT stops the
+        climb); on real vLLM, docs/history/benchmarks.md, "kneegate's limit at 3x on real
+        vLLM"."""
         c = self.cfg
         bound = math.inf
         ttft, tpot = self._latency(w, level)
@@ -352,24 +325,18 @@ class Knee(Windowed):
         measured noise (`Curve.noise`, one window's variance of ln throughput): where
         `_in_step` stops the climb and `_to_aim` brings the limit back.
 
-        One window's TPOT is read in one spell of the host's speed, and every answer is
-        judged: a limit set to the aim in a fast spell breaks the objective in the next slow
-        one. noisy-gentle-3x (a host whose speed wanders by ~10% a window, on a curve that
-        bends gently; TPOT passes 0.1 s past ~110), seed 66: the limit followed fast spells to
-        104-117 (0.922 of the oracle); with the aim ~9% lower, 0.996. Over seeds 1-108, with
-        declines read from a reference's neighbours too (`Curve._until_decline`), 0.959 ->
-        0.968; each alone (seeds 1-72) +0.002-0.003: that rule lets the limit climb past
-        false declines that had held it under 110, where this aim holds it
-        (docs/benchmarks.md, "Noise in the aim")."""
+        Why lowered: one window's TPOT is read in one spell of the host's speed, and every
+        answer is judged: a limit set to the aim in a fast spell breaks the objective in the
+        next slow one. Measured: docs/design/knee.md, "Regions" (The aim sits under the
+        noise)."""
         aim = self.cfg.tpot_aim * math.exp(-math.sqrt(self._curve.noise()))
         return level * aim * self.cfg.tpot_objective / tpot
 
     def _latency(self, w: Summary, level: float) -> tuple[float | None, float | None]:
         """The window's (TTFT p90, TPOT p50); in a window no answer ended in (closed on the
-        engine's counters), those of the curve's point at its level, if any. Unbounded, a
-        probe from such a window on noisy-gentle-3x (seed 7) went 102 -> 157 at once, where
-        TPOT had read 0.085-0.09 s at ~102 against an aim of 0.085: 0.115 s a token, the
-        curve forgotten as a changed engine, and the climb began again from one point."""
+        engine's counters), those of the curve's point at its level, if any: unbounded, a
+        probe from such a window leapt past the level where TPOT meets its aim.
+        Measured: docs/design/knee.md, "Regions"."""
         if w.ttft_p90 is not None or w.tpot_p50 is not None:
             return w.ttft_p90, w.tpot_p50
         near = self._curve.nearest(level)
@@ -381,12 +348,8 @@ class Knee(Windowed):
         no lower than a `backoff` cut (one window's p50 is noisy); no bound where it is
         under the aim. `_in_step` stops the climb there; this brings the
         limit back when the engine slows under it (a breach of the objective itself cuts).
-
-        noisy-gentle-3x (seed 7): held at ~105, where TPOT read 0.085-0.098 s against an
-        aim of 0.085 for 30 s while the host ran slow, a third of the answers missed 0.1 s
-        (0.874 of the oracle); brought back to the aim, 0.896. Only saturated windows: in a
-        draining one the level is under the limit and scales nothing (bursts-lowrate, seed
-        1: 0.984 -> 0.937)."""
+        Only saturated windows: in a draining one the level is under the limit and scales
+        nothing. Measured: docs/design/knee.md, "Regions" (TPOT's aim holds both ways)."""
         if not w.tpot_p50:
             return math.inf
         return max(self.cfg.backoff * self._limit, self._aim_level(level, w.tpot_p50))
@@ -394,16 +357,11 @@ class Knee(Windowed):
     def _over_objective(self, w: Summary, ramped: bool) -> bool:
         """TTFT p90 or TPOT p50 over its objective. A window held at the limit with no
         answer in it, not after a rise nor through the engine's own (`ramped`), is judged by
-        the engine's TPOT (`Summary.engine_tpot`). Once each step is 4x slower a request
-        lasts 4x longer, and every other window closed on the engine's scrapes alone
-        (test_knee_slowdown_sim, TPOT objective 50 ms): it held the limit the windows with
-        answers cut. After / before the slowdown the limit read 0.50-0.58 at seeds 7, 1, 2,
-        3, and 0.73 at seed 7 once the first rise was read against the window it left
-        (`_climbed`: 32 doubled to 64 as the slowdown struck); with this reading 0.31-0.39.
-        Not in the other windows, where requests still prefilling read it high: a burst's
-        start under the limit (bursts-lowrate, seed 1: 4.8 running at 20 tokens/s, 0.235 s
-        a token, cut the burst's climb at 32, goodput / oracle 0.909 -> 0.563), four
-        gateways' first ramp (seed 1: 23.7 running at 146 tokens/s, 0.992 -> 0.894)."""
+        the engine's TPOT (`Summary.engine_tpot`): once each step is slower a request
+        outlasts a window, and windows closed on the engine's scrapes alone would hold the
+        limit the windows with answers cut. Not in the other windows, where requests still
+        prefilling read it high. Measured: docs/design/knee.md, "Windows"
+        (tests/benchmarks/test_knee_slowdown_sim.py)."""
         c = self.cfg
         tpot = w.tpot_p50
         if tpot is None and w.saturated >= c.saturation and not (self._moved_up or ramped):
@@ -436,12 +394,10 @@ class Knee(Windowed):
     def _stalled(self, w: Summary) -> bool:
         """The window's last scrape reads a level measured before at a throughput fallen by
         more than `change`: the engine changed within the window, whose means still read it
-        as it was. No growth on them: the 4x slowdown of test_knee_slowdown_sim struck, at
-        seed 7, in the window in which a breach at 64 faded (mean 881 tokens/s at 32, -20%;
-        last scrape 225, -80%); the limit doubled into it and grew to 89 a window later,
-        and those requests' samples, admitted before the cuts that followed, measured
-        nothing for ~30 s: 27 at 75-90 s, 17 with this rule (15-18 at seeds 1-5 either
-        way). No scenario of the suite moved at seeds 7, 1, 2."""
+        as it was. No growth on them: a limit doubled into a slowdown admits requests whose
+        samples, admitted before the cuts that follow, measure nothing for a while
+        (tests/benchmarks/test_knee_slowdown_sim.py). Measured: docs/design/knee.md, "Regions"
+        (Linear)."""
         if self._moved or w.engine_last is None:
             return False
         level, tput = w.engine_last
@@ -451,22 +407,17 @@ class Knee(Windowed):
     def _unproven(self, w: Summary) -> bool:
         """No answer ended in the window and the engine's own TPOT is over its objective:
         nothing shows the engine keeps up, so the limit holds (a cut still needs a window
-        `_over_objective` judges). After the cut that followed the 4x slowdown of
-        test_knee_slowdown_sim (seed 7, once a cold start's refusals moved its trajectory),
-        a window left at 56 in flight over a limit of 33, with no answer in it and the
-        engine at 0.26 s a token against 0.05, doubled the limit to 67: neither
-        `_over_objective` (the engine's in-flight rose through it) nor `_stalled` (the
-        window after a move) reads such a window."""
+        `_over_objective` judges). Neither `_over_objective` (the engine's in-flight rose
+        through it) nor `_stalled` (the window after a move) reads such a window, and one
+        after a slowdown's cut doubled the limit (tests/benchmarks/test_knee_slowdown_sim.py)."""
         return (w.samples == 0 and w.engine_tpot is not None
                 and w.engine_tpot > self.cfg.tpot_objective)
 
     def _ramped(self, w: Summary) -> bool:
         """The engine's in-flight rose by more than a bin across the window: it measured a
         move, not a level. The KV edge lifts the limit between windows without moving the
-        window's: on H100 (seed 7) it took 503 to ~630 a second into a window, whose mean
-        read 577 at 8839 tokens/s (its prefills) against 7578 at 128, a plateau from 128 that
-        pulled the window's limit to 122 (hidden only by the KV edge). No goodput moved in any
-        scenario at seeds 7, 1, 2 with this rule; the false knee went."""
+        window's, and the mean of such a window reads its prefills as a plateau below it (a
+        false knee). Measured: docs/design/knee.md, "Regions" (Linear)."""
         if w.engine_first is None or w.engine_last is None:
             return False
         return w.engine_last[0] > (1 + self.cfg.bin_ratio) * w.engine_first
@@ -479,24 +430,17 @@ class Knee(Windowed):
         the probe's level: an idle probe waits there for one window, as a probe.)
         One gateway's grounded room is at most 4 x what runs, so within two climb steps of
         its limit, where `_grow` too lets a saturated window's limit double unmeasured.
-
-        A limit held under its target through idle time met the next burst short of it, and
-        rose only once a window saw it saturated: bursts-lowrate at seed 1 held 32 (the
-        first burst's one climb step from 16) from 10.5 s to 39.5 s under a room of 45, and
-        shed 18 requests at 36-39 s. Waiting at the target, 0.938 -> 0.957 of the oracle;
-        over seeds 1-7 and the suite: docs/benchmarks.md ("An idle limit waits at its
-        target")."""
+        Why: a limit held under its target through idle time met the next burst short of it,
+        and rose only once a window saw it saturated. Measured: docs/design/knee.md,
+        "Regions" (Idle)."""
         return steady and self._room.grounded
 
     def _probe_step(self, target: float) -> float:
         """A probe's move: to its target at once, but no more than one climb step above the
-        limit. The target is read from the knee of this window's curve, and one window can
-        move that far: on a host whose speed wanders (noisy-cpu-3x, seed 7) a window at 30
-        superseded a climb's scrape at 32, the plateau from 32 went with it, and the fit of
-        the rest put the knee at 146 while the limit stood at 42. A probe to 1.1 x 146 = 161
-        at once put ~120 prefills in the engine's queue, every first token past 2 s for ~10
-        s: 0.881 of the oracle; one climb step at a time (42 -> 83 -> 102 -> 119, where TPOT
-        broke its objective), 0.952. No other scenario of the suite moved at seeds 7 and 1."""
+        limit. The target is read from the knee of this window's curve, and on a host whose
+        speed wanders one window can move that far: a probe straight there put a queue of
+        prefills in the engine. Measured: docs/design/knee.md, "Regions" (Plateau and
+        probes)."""
         return min(target, (1 + self.cfg.climb) * self._limit)
 
     def _grow(self, level: float) -> float:
@@ -508,10 +452,8 @@ class Knee(Windowed):
         A full step where the engine's measured room (`Room.grounded`) is near and the
         fitted curve still rises through it (its knee is at or past the room): the room,
         not the curve, stops the climb (the target caps it), and the elasticity at levels
-        under the room only slowed the approach. On H100 (gpu-h100, seed 4: a soft curve
-        whose fitted knee read 1010, past a room of ~630) the limit took 15 s to climb from
-        273 to 583 by steps of x1.35, x1.29, x1.23; with a full step, 273 -> 547 at 33.5 s
-        and 625 at 41.5 s (docs/benchmarks.md, "The climb to a measured room")."""
+        under the room only slowed the approach. Measured: docs/design/knee.md, "Regions"
+        (Linear)."""
         step = 1 + self.cfg.climb
         grow = self._limit * (1 + self.cfg.climb * self._curve.elasticity(level))
         if self._room.value <= step * step * self._limit:

@@ -18,11 +18,9 @@ least `GROUNDED_KV` full: one request in 0.06% of the cache "reads" room for 160
 App-limited (`idle`: in-flight under the limit for most of the window, the token budget
 refused nothing, the engine not full, no breach) a lower room is no news: as the engine
 drains, the longest answers are the last to finish and each holds more KV than the mean,
-so running / KV use falls (bursts-lowrate, between bursts: 48 -> 33) with no change in the
-engine. Read as news it drew the limit from ~46 to ~30 between bursts, and each burst
-started short: the scenario read 0.87 / 0.67 / 0.72 of the oracle at seeds 7 / 1 / 2
-(`python -m kneegate.benchmarks.simulate --scenario bursts-lowrate --controllers knee`),
-0.90 with the room held (then the curve's knee bound: see `Curve.learn`).
+so running / KV use falls with no change in the engine. Read as news it drew the limit
+down between bursts, and each burst started short (measured: docs/design/knee.md, "The
+engine's room").
 
 Share: this gateway's part of the engine's in-flight, smoothed with weight `smoothing`;
 learnt only in windows that did not move the limit (scrapes lag a move by seconds), nor
@@ -30,15 +28,12 @@ drain a rescale, nor were app-limited (a drain's in-flight falls at the gateway 
 the scrapes show it). Read like for like: this gateway's in-flight at each scrape's own
 time (the last tick at or before it) over the engine's running + waiting in it, summed
 over the window's scrapes; min(1, in-flight / level) where no tick came before them.
-The scrapes come 1.5 s late in the simulator, seconds in vLLM: read side by side with
-the window's mean in-flight, four gateways ramping together each read 0.41-0.51 of the
-engine where they held 0.25, kept their initial 16 (64 against an engine that runs 46),
-and the engine queued 20 for 25 s: four-gateways read 0.830 / 0.863 / 0.890 of the oracle
-(seeds 7 / 1 / 2), 0.938 / 0.955 / 0.957 read at the scrapes' times. `alone()`: the share is
-at least 0.9 (1 on a gateway's own curve): the target, the KV edge and the token budget
-then apply no share (a gateway alone read 0.95-0.99 while in-flight ramped between ticks,
-and bursts at seed 1 lost 0.015); beside others each applies the share. Pure: no clock,
-no I/O.
+The scrapes come seconds late: read side by side with the window's mean in-flight,
+gateways ramping together each read far more than their part and kept their initial
+limit while the engine queued. `alone()`: the share is at least 0.9 (1 on a gateway's
+own curve): the target, the KV edge and the token budget then apply no share (a gateway
+alone read under 1 while in-flight ramped between ticks); beside others each applies
+the share. Measured: docs/design/knee.md, "Several gateways". Pure: no clock, no I/O.
 """
 
 from __future__ import annotations

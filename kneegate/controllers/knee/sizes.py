@@ -14,11 +14,11 @@ learned size (one huge prompt is no shift), feeds
 
 A move of `recent` is a shift only where it is also *significant*: |recent / learned - 1| >
 `shift_z` x cv / sqrt(2 x admit_recent - 1), the standard error of an EWMA of weight
-1 / admit_recent over a mix of that spread. Production mixes are wide (the Azure 2023
-traces: cv 0.96), and there a 20-request mean passes 1.3x the 200-request one at 7-10% of
-arrivals by chance alone: each such pass cut the limit, and nothing raised it again
-(docs/experiments/2026-12-07-trace-scale.md). Uniform mixes (cv <= 0.3) keep the plain
-ratio test: the significance bound (<= 0.19 at z = 4) is under `footprint_jump` - 1.
+1 / admit_recent over a mix of that spread. Production mixes are wide, and there a short
+mean passes `footprint_jump` x the long one often by chance alone: each such pass cut the
+limit, and nothing raised it again (measured: docs/experiments/2026-12-07-trace-scale.md).
+Uniform mixes (cv <= 0.3) keep the plain ratio test: the significance bound (<= 0.19 at
+z = 4) is under `footprint_jump` - 1.
 
 State machine, with r = footprint ratio (recent, learned) (`Calibration.footprint_ratio`):
 
