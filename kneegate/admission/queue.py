@@ -37,11 +37,9 @@ after waiting (the prediction, and why a quarter: `admission.wait`). The budget 
 excess of tenants over their share: a tenant holding fewer requests here than its weighted
 share of the slots (`FairQueue.under_share`; never a tenant alone) may be predicted to wait
 the whole objective less the engine's TTFT for its place, and is then queued even where the
-last place is late by that budget. Under waves of answers of one length (the emulator at
-3x) the next slot is often further than a quarter of the objective: with every tenant held
-to it, a light key beside a heavy one at 8:1 had 0.53-0.58 of its demand served within
-2 s, 0.80-0.81 with this rule (`python -m kneegate.benchmarks.overload --arms kneegate
---loads 3 --seconds 30 --warmup 0 --keys heavy:8,light:1`). A
+last place is late by that budget: where slots free in waves (answers of one length), the
+next one is often further than a quarter of the objective, and with every tenant held to
+it fair shares had nothing queued to order (docs/experiments/2026-12-07-trace-scale.md). A
 queued request leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its
 objective less the engine's TTFT has passed, and is never dispatched after that: the engine
 does no work for a user who will see a miss or has left.
