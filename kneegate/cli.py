@@ -31,6 +31,7 @@ from kneegate.gateway.config import (
     parse_config,
     read_admin_token,
 )
+from kneegate.gateway.config_upstream import public_url
 from kneegate.gateway.errors import CannotListen, ConfigError
 from kneegate.gateway.logs import configure as configure_logging
 
@@ -120,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)
-    names = ", ".join(f"{u.name}={u.url} ({u.controller})" for u in cfg.upstreams)
+    names = ", ".join(f"{u.name}={public_url(u.url)} ({u.controller})" for u in cfg.upstreams)
     none = "none (serve starts the embedded emulator; a reload needs one unless it runs)"
     print(f"{args.file}: ok; upstreams: {names or none}")
     try:  # the file may be a Secret mounted where the gateway runs, not here
