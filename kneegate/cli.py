@@ -17,45 +17,62 @@ default class's objective: seconds from a request's arrival to its first token.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kneegate.controllers.knee import KneeConfig
+from kneegate.controllers.registry import CONTROLLERS
 from kneegate.gateway.config import (
     GatewayConfig,
     load_config,
     parse_config,
     read_admin_token,
 )
-from kneegate.gateway.errors import ConfigError
+from kneegate.gateway.config_upstream import public_url
+from kneegate.gateway.errors import CannotListen, ConfigError
 from kneegate.gateway.logs import configure as configure_logging
 
-__all__ = ["apply_flags", "main"]
+__all__ = ["BENCH_MODULES", "apply_flags", "main", "missing_extra", "version"]
 
 log = logging.getLogger("kneegate")
 
 
+SERVE_HELP = """Flags override the config file; a default below holds where neither sets it."""
+
+
 def _serve_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (see examples/kneegate.yaml)")
+    defaults = GatewayConfig()
+    srv, objective = defaults.server, defaults.classes[defaults.default_class].ttft_objective
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML config file (see examples/kneegate.yaml; default: none, every "
+                   "setting at its default)")
     p.add_argument("--upstream", action="append", metavar="URL",
-                   help="engine base URL; repeat for several (replaces the file's list)")
-    p.add_argument("--host", help="bind address")
-    p.add_argument("--port", type=int, help="listen port")
+                   help="engine base URL; repeat for several (replaces the file's list; "
+                   "default: none, the built-in emulator)")
+    p.add_argument("--host", help=f"bind address (default: {srv.host}; 0.0.0.0 in a container)")
+    p.add_argument("--port", type=int, help=f"listen port (default: {srv.port}; 0 picks one)")
     p.add_argument("--admin-port", type=int, metavar="PORT",
                    help="serve /metrics, /kneegate/*, /health and /ready on this port too; "
-                   "the API port then answers the admin paths 404")
-    p.add_argument("--controller",
-                   help="controller for every upstream (default knee; fixed to hand-tune, ...)")
+                   "the API port then answers the admin paths 404 (default: none)")
+    p.add_argument("--controller", choices=sorted(CONTROLLERS),
+                   help="controller for every upstream: knee learns the limit, fixed pins it "
+                   "(with --limit) (default: knee)")
     p.add_argument("--limit", type=int,
-                   help="initial concurrency limit per upstream (fixed: the limit)")
-    p.add_argument("--workers", type=int, help="processes sharing the port")
+                   help="initial concurrency limit per upstream; with fixed, the limit "
+                   f"(default: the controller's own; knee's {KneeConfig().initial})")
+    p.add_argument("--workers", type=int,
+                   help=f"processes sharing the port (default: {srv.workers})")
     p.add_argument("--ttft-objective", type=float, metavar="SECONDS",
-                   help="the default class's time from arrival to first token (default 2)")
+                   help="the default class's time from arrival to first token "
+                   f"(default: {objective:g})")
     p.add_argument("--log-format", choices=["text", "json"],
-                   help="text lines, or one JSON object per line (default: the file's, text)")
+                   help="text lines, or one JSON object per line "
+                   f"(default: {srv.log_format})")
     p.add_argument("--no-access-log", dest="access_log", action="store_false", default=None,
-                   help="no log line per request")
+                   help="no log line per request (default: one per request)")
 
 
 def apply_flags(cfg: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
@@ -104,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)
-    names = ", ".join(f"{u.name}={u.url} ({u.controller})" for u in cfg.upstreams)
+    names = ", ".join(f"{u.name}={public_url(u.url)} ({u.controller})" for u in cfg.upstreams)
     none = "none (serve starts the embedded emulator; a reload needs one unless it runs)"
     print(f"{args.file}: ok; upstreams: {names or none}")
     try:  # the file may be a Secret mounted where the gateway runs, not here
@@ -138,16 +155,26 @@ PASSTHROUGH = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version ("unknown" when run from an uninstalled tree)."""
+    try:
+        return importlib.metadata.version("kneegate")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kneegate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"kneegate {version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the gateway")
+    serve = sub.add_parser("serve", help="run the gateway", description=SERVE_HELP)
     _serve_parser(serve)
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
     check.set_defaults(func=cmd_check)
-    demo = sub.add_parser("demo", help="the same overload sent direct and through kneegate")
+    demo = sub.add_parser("demo", help="the same overload sent direct and through kneegate",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     demo.add_argument("--load", type=float, default=3.0, help="x the engine's capacity")
     demo.add_argument("--seconds", type=float, default=20.0, help="measured, per arm")
     demo.add_argument("--profile", default="cpu-tiny", help="the emulator's engine profile")
@@ -157,15 +184,45 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# what the `bench` extra installs (pyproject.toml), by import name: a command that needs one
+# of them says how to install it instead of a traceback
+BENCH_MODULES = frozenset({"aiohttp", "numpy", "matplotlib"})
+
+
+def missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
+    """The one line that tells how to install what `command` misses; None when `exc` is
+    not about the bench extra."""
+    module = (exc.name or "").partition(".")[0]
+    if module not in BENCH_MODULES:
+        return None
+    return (f"kneegate {command} needs the bench extra ({module} is not installed): "
+            "pip install 'kneegate[bench]' (in a clone: pip install -e '.[bench]')")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in PASSTHROUGH:
-        return PASSTHROUGH[argv[0]](argv[1:])
-    args = _parser().parse_args(argv)
+    command = argv[0] if argv else ""
+    try:
+        if command in PASSTHROUGH:
+            return PASSTHROUGH[command](argv[1:])
+        args = _parser().parse_args(argv)
+        return _run(args)
+    except CannotListen as exc:
+        print(f"kneegate: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        hint = missing_extra(exc, command)
+        if hint is None:
+            raise
+        print(hint, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args))
     except ConfigError as exc:
         print(f"kneegate: invalid config: {exc}", file=sys.stderr)
         return 2 if args.command != "check-config" else 1
-    except KeyboardInterrupt:
-        return 0

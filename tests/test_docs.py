@@ -4,7 +4,8 @@ Every relative link (and its `#anchor`, by GitHub's heading slugs) resolves to a
 repository; every `python -m MODULE` shown in code names a module that `python -m` can run;
 every `kneegate SUBCOMMAND …` names a subcommand, and one of the gateway's own (serve,
 check-config, demo) shown with arguments parses whole, flags included; every
-`python path/to/script.py` exists.
+`python path/to/script.py` exists; the README's shell blocks run kneegate and Python from
+the `.venv` its first command installs into.
 """
 
 from __future__ import annotations
@@ -167,3 +168,36 @@ def test_the_checks_catch_what_they_mean_to(
         "kneegate frobnicate: no such subcommand",
     ]
     capsys.readouterr()  # argparse's complaint about the flag
+
+
+# a command's first word in a shell block: at a line's start or after &&, ||, |, ; or $(
+COMMAND = re.compile(
+    r"(?:^|&&|\|\||[|;]|\$\()[ \t]*(kneegate|python3?)\b(?!/)[ \t]*(\S*[ \t]*\S*)", re.M)
+
+
+def bare_commands(doc: Path) -> list[str]:
+    """Commands in a doc's shell blocks that run `kneegate` or Python from the PATH rather
+    than from the `.venv` the README installs into (`python3 -m venv` itself aside)."""
+    found = []
+    for lang, body in FENCE.findall(doc.read_text()):
+        if lang in SHELL_LANGS:
+            for name, args in COMMAND.findall(body.replace("\\\n", " ")):
+                if name == "kneegate" or args != "-m venv":
+                    found.append(f"{name} {args}".strip())
+    return found
+
+
+def test_the_readme_runs_kneegate_and_python_from_its_venv() -> None:
+    # a newcomer installs into .venv (the README's first command) and pastes what follows
+    assert bare_commands(ROOT / "README.md") == []
+
+
+def test_bare_commands_are_found(tmp_path: Path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text(
+        "`kneegate serve` in prose\n\n```bash\nkneegate serve --port 1\n"
+        "python3 -m venv .venv && .venv/bin/kneegate demo\ncurl -s x | python3 -m json.tool\n"
+        "docker build -t kneegate:1 .  # kneegate/ in a comment\n"
+        "x=$(python -c 'print(1)')\n```\n\n```\nkneegate/\n  cli (`kneegate demo`)\n```\n")
+    assert bare_commands(doc) == ["kneegate serve --port", "python3 -m json.tool",
+                                  "python -c 'print(1)')"]

@@ -6,9 +6,13 @@ tuning flags. First the engine's capacity is measured (closed loop, a few second
 each arm gets Poisson arrivals at `load` x that capacity for `seconds` (after a short
 unmeasured warm-up), streamed, from users who close the stream when no first token has come
 `give_up` s after sending and who never retry a rejection. Once a second it prints what the
-users see (and, through kneegate, its limit, knee estimate, in-flight and queue); at the end
-the two arms side by side, judged by the user's clock: goodput is the output of the users
-sent in the measured window whose first token came within the objective (2 s) of sending.
+users see (and, through kneegate, its limit, knee estimate, in-flight and queue), each line
+labelled with its phase: `warm-up`, `measured`, then `finishing` (new users still arrive,
+unmeasured, until every measured one has its answer or gave up: the direct arm's users
+wait longest, so its finishing lines are more). At the end the two arms side by side,
+judged by the user's clock: goodput is the output of the users sent in the measured window
+whose first token came within the objective (2 s) of sending; under the share served, its
+ceiling at that load (capacity / load: 33% at 3x).
 
 The machinery is `benchmarks.overload` (one cell of its table per arm); this module adds
 the running commentary and the side-by-side summary. Bounded: the capacity run, and per arm
@@ -74,25 +78,37 @@ def _gateway_part(status: dict[str, Any] | None) -> str:
             f"queued {status['queue_total']:3d}")
 
 
+def _phase(second: int, seconds: float) -> str:
+    """What the arm is doing in its `second`th second (1-based): warm-up, the measured
+    window, or finishing (new users still arrive, unmeasured, while the measured ones end)."""
+    if second <= WARMUP:
+        return f"warm-up {second:2d}s"
+    if second <= WARMUP + seconds:
+        return f"measured {second - WARMUP:2.0f}s"
+    return f"finishing {second - WARMUP - seconds:2.0f}s"
+
+
 async def _arm(arm: Arm, url: str, rate: float, args: Any, last: dict[str, Any]) -> list[Record]:
     """One arm's cell, with a line a second while it runs; `last` gets kneegate's status."""
     users: list[Record] = []
     if arm.gateway_flags is not None:
         print(f"kneegate at {url}; watch it live: {url}/kneegate/", flush=True)
     cell = asyncio.create_task(run_cell(url, rate, args, seed=args.seed, users=users))
-    start, before = time.monotonic(), (0, 0, 0, 0)
+    start, before, second = time.monotonic(), (0, 0, 0, 0), 0
     timeout = aiohttp.ClientTimeout(total=1.0)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         while not cell.done():
-            await asyncio.wait({cell}, timeout=1.0)
+            # on whole seconds from the start: the phases' lines are as many as their seconds
+            await asyncio.wait({cell}, timeout=max(0.0, start + second + 1 - time.monotonic()))
+            second += 1
             status = await _status(session, url) if arm.gateway_flags is not None else None
             if status is not None:
                 last.update(status)
             now = _tally(users, args.objective)
-            print(f"{arm.name:>8} {time.monotonic() - start:4.0f}s  sent {now[0] - before[0]:3d}"
-                  f"  first token <= {args.objective:g}s {now[1] - before[1]:3d}"
-                  f"  rejected {now[2] - before[2]:3d}  waiting {now[3]:4d}"
-                  f"{_gateway_part(status)}", flush=True)
+            print(f"{arm.name:>8} {_phase(second, args.seconds):>13}  sent "
+                  f"{now[0] - before[0]:3d}  first token <= {args.objective:g}s "
+                  f"{now[1] - before[1]:3d}  rejected {now[2] - before[2]:3d}  "
+                  f"waiting {now[3]:4d}{_gateway_part(status)}", flush=True)
             before = now
     return await cell
 
@@ -109,7 +125,7 @@ def _served(users: list[Record], objective: float, seconds: float) -> tuple[int,
 
 
 def _table(rows: dict[str, dict[str, Any]], served: dict[str, tuple[int, float]],
-           last: dict[str, Any], args: Any) -> list[str]:
+           last: dict[str, Any], args: Any, load: float) -> list[str]:
     d, k = rows["direct"], rows["kneegate"]
     up = last["upstreams"][0] if last.get("upstreams") else None
     knee = up["controller"].get("knee_estimate") if up else None
@@ -118,10 +134,14 @@ def _table(rows: dict[str, dict[str, Any]], served: dict[str, tuple[int, float]]
         n, users = served[name][0], rows[name]["users"]
         return f"{n} ({n / users:.0%})" if users else "-"
 
+    # at `load` x capacity the engine has time for about 1 / load of the users sent (a
+    # short window may read a little more: the warm-up's backlog, the capacity's noise)
+    ceiling = f"{min(1.0, 1 / load):.0%}"
     lines = [
         ("users (sent in the measured window)", f"{d['users']}", f"{k['users']}"),
         (f"  first token within {args.objective:g} s of sending", share("direct"),
          share("kneegate")),
+        (f"  ceiling at {load:g}x load (capacity / load)", ceiling, ceiling),
         ("goodput: their output, tok/s", f"{served['direct'][1]:.0f}",
          f"{served['kneegate'][1]:.0f}"),
         ("TTFT from send, p50 / p99 ms",
@@ -144,7 +164,8 @@ def _table(rows: dict[str, dict[str, Any]], served: dict[str, tuple[int, float]]
 
 def run_demo(load: float = 3.0, seconds: float = 20.0, profile: str = "cpu-tiny",
              drain: float = 25.0) -> int:
-    """Run the demo; returns an exit status. Takes about 2 x (seconds + 5) + drain + 15 s."""
+    """Run the demo; returns an exit status. Takes about 2 x (seconds + 5) + drain + 15 s.
+    Each arm prints a line a second, labelled with its phase: warm-up, measured, finishing."""
     args = _settings(load, seconds, profile, drain)
     print(f"measuring the engine ({profile} emulator) alone: {args.capacity_streams} streams, "
           f"{args.capacity_seconds:g} s ...", flush=True)
@@ -154,9 +175,11 @@ def run_demo(load: float = 3.0, seconds: float = 20.0, profile: str = "cpu-tiny"
         return 1
     rate = load * capacity_rps
     print(f"capacity {capacity_rps:.1f} requests/s ({capacity_rps * args.max_tokens:.0f} "
-          f"output tok/s); now {load:g}x that, {rate:.1f} new users/s, for {seconds:g} s "
-          f"(after {WARMUP:g} s of warm-up), to the engine directly and then through "
-          f"kneegate", flush=True)
+          f"output tok/s); now {load:g}x that, {rate:.1f} new users/s, to the engine "
+          f"directly and then through kneegate: {WARMUP:g} s of warm-up, {seconds:g} s "
+          f"measured, then up to {drain:g} s finishing (new users still arrive, unmeasured, "
+          f"until each measured one has its answer or gives up after {args.give_up:g} s); "
+          f"a line a second", flush=True)
     rows: dict[str, dict[str, Any]] = {}
     served: dict[str, tuple[int, float]] = {}
     last: dict[str, Any] = {}
@@ -167,6 +190,6 @@ def run_demo(load: float = 3.0, seconds: float = 20.0, profile: str = "cpu-tiny"
                                    args.objective)
         served[arm.name] = _served(users, args.objective, args.seconds)
     print()
-    for line in _table(rows, served, last, args):
+    for line in _table(rows, served, last, args, load):
         print(line)
     return 0

@@ -6,12 +6,16 @@
 Logger `kneegate.access`, level INFO. What it holds: the request id (the client's
 X-Request-Id or the one the gateway made), the upstream's configured name, the class, the
 tenant as metrics name it (gateway/tenants.py: a configured name, `key-` and a hash of an
-API key, or `anonymous`), the outcome (`ok`, `upstream_error`, `timeout`,
-`client_cancelled`, `upstream_overloaded`, `client_stalled`, or the reason a request was
-refused: `queue_full`, `over_objective`, `queue_timeout`, `no_upstream`, `shutting_down`,
-`tenant_quota`, `body_too_large`, `invalid_header`, `invalid_api_key`), the status
-answered (499 when the client left before any was), seconds in the queue, to the first
-token (from arrival, as the user waits) and in all, and the tokens counted. Never a header,
+API key, or `anonymous`), the outcome (`ok`, `client_error` — the engine answered 4xx,
+429 aside: the request's own fault, counted `completed` in the metrics and no latency
+sample —, `upstream_error`, `timeout`, `client_cancelled`, `upstream_overloaded`,
+`client_stalled`, or the reason a request was refused: `queue_full`, `over_objective`,
+`queue_timeout`, `no_upstream`, `shutting_down`, `tenant_quota`, `body_too_large`,
+`invalid_header`, `invalid_api_key`), the status answered (499 when the client left before
+any was), seconds in the queue, to the first token (from arrival, as the user waits) and in
+all, and the tokens: `output_tokens` the engine's `usage` count when its answer carries
+one, else the content events streamed; `prompt_tokens` the engine's count, else (a stream
+without `include_usage`) the prompt as admission sized it from its content. Never a header,
 a key, a prompt or a body; the request id, which the client chose, is cut to 128 characters
 and quoted when it holds anything but plain characters.
 
@@ -33,7 +37,9 @@ from kneegate.gateway.gate import Permit
 from kneegate.gateway.tap import Tap
 from kneegate.gateway.types import Clock
 
-__all__ = ["AccessLog"]
+__all__ = ["CLIENT_ERROR", "AccessLog"]
+
+CLIENT_ERROR = "client_error"  # the outcome of a request the engine answered 4xx (429 aside)
 
 log = logging.getLogger("kneegate.access")
 _PLAIN = re.compile(r"[A-Za-z0-9._:/@+-]*")
@@ -64,9 +70,14 @@ class AccessLog:
             prompt, out = tap.usage()
             if tap.first_at is not None:
                 ttft = tap.first_at - t.arrived_at
+        # the engine did not say (a stream without `include_usage`): the prompt as
+        # admission sized it, from its content (gateway/request_size.py)
+        prompt = prompt or t.tokens
+        # an engine's 4xx (429 aside: overloaded) is the request's own fault, not a success
+        name = CLIENT_ERROR if outcome is Outcome.OK and status >= 400 else outcome.value
         self._write({
             "request_id": _rid(rid), "upstream": permit.upstream.name, "class": t.cls,
-            "tenant": t.tenant.label, "outcome": outcome.value, "status": status,
+            "tenant": t.tenant.label, "outcome": name, "status": status,
             "queue_wait": round(at - t.arrived_at, 4),
             "ttft": None if ttft is None else round(ttft, 4),
             "duration": round(self.clock() - t.arrived_at, 4),

@@ -169,8 +169,10 @@ class Gateway:
         self.draining = True
         refused = self.gate.close()
         grace = self.config.server.shutdown_grace
-        log.warning("shutting down: %d queued request(s) refused, %d in flight get %gs to "
-                    "finish", refused, len(self.proxy.active), grace)
+        # asked for, a shutdown is news; a warning when it turns requests away
+        log.log(logging.WARNING if refused else logging.INFO,
+                "shutting down: %d queued request(s) refused, %d in flight get %gs to finish",
+                refused, len(self.proxy.active), grace)
         self._cut_timer = asyncio.get_running_loop().call_later(grace, self._cut)
 
     def _cut(self) -> None:

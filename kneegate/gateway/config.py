@@ -2,8 +2,8 @@
 
 Every field has a default, a range and a one-line meaning. `load_config(path)` either
 returns a `GatewayConfig` or raises `ConfigError` naming the field path (for example
-`upstreams.0.params.initial`) and the reason, which is what `kneegate check-config`
-prints and what a failed reload logs.
+`upstreams[vllm].params.initial`: an upstream by its name, else its URL) and the reason,
+which is what `kneegate check-config` prints and what a failed reload logs.
 
 An empty `upstreams` list means "no engine configured": `kneegate serve` then starts the
 built-in emulator on a loopback port and fills in one upstream pointing at it.
@@ -26,6 +26,7 @@ the whole file, is here.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from kneegate.gateway.config_sections import (
     ServerConfig,
     TenantConfig,
 )
-from kneegate.gateway.config_upstream import TimeoutConfig, UpstreamConfig
+from kneegate.gateway.config_upstream import TimeoutConfig, UpstreamConfig, shown_url
 from kneegate.gateway.config_yaml import read_config
 from kneegate.gateway.errors import ConfigError
 
@@ -156,31 +157,54 @@ def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = _field_path(err["loc"])
+        where = _field_path(err["loc"], data)
         msg = str(err["msg"]).removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            where, msg = _unknown_key(err["loc"], msg)
-        if not where and ": " in msg:  # model-level checks name their field first
-            where, msg = msg.split(": ", 1)
+            where, msg = _unknown_key(err["loc"], msg, data)
+        # a check of a whole section (or a controller's params) names its field first
+        head, sep, rest = msg.partition(": ")
+        if sep and (not where or (err["type"] == "value_error" and _SUBPATH.fullmatch(head))):
+            where, msg = ".".join(p for p in (where, head) if p), rest
         raise ConfigError(source, where, msg) from None
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
+_SUBPATH = re.compile(r"[A-Za-z_][\w.]*|<unknown key>")
+
+
+def _field_path(loc: tuple[int | str, ...], data: dict[str, Any]) -> str:
     # An API key is a mapping key, so pydantic puts it in the error's location: name the
     # field only. (Messages never carry the input; the input itself is never shown.)
     if loc and loc[0] == "api_keys" and len(loc) > 1:
         return "api_keys.<key>"
-    return ".".join(str(p) for p in loc)
+    parts = [str(p) for p in loc]
+    if len(loc) > 1 and loc[0] == "upstreams" and isinstance(loc[1], int):
+        label = _upstream_label(data, loc[1])
+        if label is not None:  # an upstream by its name, not its place in the list
+            parts[:2] = [f"upstreams[{label}]"]
+    return ".".join(parts)
 
 
-def _unknown_key(loc: tuple[int | str, ...], msg: str) -> tuple[str, str]:
+def _upstream_label(data: dict[str, Any], index: int) -> str | None:
+    """How an error names the `index`th upstream: its `name`, else its URL (no userinfo,
+    no query); None when it has neither."""
+    ups = data.get("upstreams")
+    up = ups[index] if isinstance(ups, list) and index < len(ups) else None
+    if not isinstance(up, dict):
+        return None
+    name, url = up.get("name"), up.get("url")
+    if isinstance(name, str) and name:
+        return name
+    return shown_url(url) if isinstance(url, str) and url else None
+
+
+def _unknown_key(loc: tuple[int | str, ...], msg: str, data: dict[str, Any]) -> tuple[str, str]:
     # An unknown key is shown when it looks like a misspelt field; any other may be an API
     # key indented one level too little, so it is not shown.
     key = str(loc[-1])
     near = difflib.get_close_matches(key, _FIELD_NAMES, n=1, cutoff=0.7)
     if near:
-        return _field_path(loc), f"{msg} (did you mean {near[0]!r}?)"
-    where = ".".join([*(str(p) for p in loc[:-1]), "<unknown key>"])
+        return _field_path(loc, data), f"{msg} (did you mean {near[0]!r}?)"
+    where = ".".join([_field_path(loc[:-1], data), "<unknown key>"]).lstrip(".")
     return where, f"{msg} (the key is not shown: it may be a secret, e.g. an API key)"
 
 

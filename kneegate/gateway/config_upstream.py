@@ -3,21 +3,23 @@ the engine is, the controller that sets its limit and its params, how its metric
 scraped and when it counts as stalled) and `timeouts` (to every engine).
 
 An error names the field and the reason; a URL in it is shown without its password or
-query (`_shown`), either of which may be a secret.
+query (`_shown`), either of which may be a secret. A key that is none of a controller's
+`params` is named with the nearest parameter when it looks like a misspelling of one.
 """
 
 from __future__ import annotations
 
 import base64
+import difflib
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from kneegate.controllers.registry import CONTROLLERS
 from kneegate.gateway.config_sections import Frozen
 
-__all__ = ["TimeoutConfig", "UpstreamConfig", "basic_auth", "public_url"]
+__all__ = ["TimeoutConfig", "UpstreamConfig", "basic_auth", "public_url", "shown_url"]
 
 
 def public_url(url: str) -> str:
@@ -50,6 +52,27 @@ def _shown(url: str) -> str:
     if at and ":" in user:
         parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")
     return parts._replace(query="***").geturl() if parts.query else parts.geturl()
+
+
+def shown_url(url: str) -> str:
+    """`url` as a message that names an upstream shows it: no userinfo, no query."""
+    return _shown(public_url(url))
+
+
+def _unknown_param(key: str, controller: str, model: type[BaseModel]) -> str:
+    """`<key>: why`, for a key that is none of `controller`'s parameters. Shown when it
+    looks like a misspelt one; any other may be a secret pasted one level too deep."""
+    fields = sorted(model.model_fields)
+    near = difflib.get_close_matches(key, fields, n=1, cutoff=0.7)
+    if near:
+        return f"{key}: not a parameter of controller {controller!r} (did you mean {near[0]!r}?)"
+    listed = ", ".join(fields) if len(fields) <= _LISTED else (
+        f"{len(fields)} of them, each explained in {model.__module__.replace('.', '/')}.py")
+    return (f"<unknown key>: not a parameter of controller {controller!r} (the key is not "
+            f"shown: it may be a secret); its parameters: {listed}")
+
+
+_LISTED = 12  # a controller with more parameters than this is not listed in an error
 
 
 class UpstreamConfig(Frozen):
@@ -143,12 +166,16 @@ class UpstreamConfig(Frozen):
     def _params_fit_controller(cls, v: dict[str, Any], info: Any) -> dict[str, Any]:
         name = info.data.get("controller")
         if name in CONTROLLERS:
+            model = CONTROLLERS[name][0]
             try:
-                CONTROLLERS[name][0](**v)
+                model(**v)
             except ValidationError as exc:
                 err = exc.errors()[0]
+                if err["type"] == "extra_forbidden":
+                    raise ValueError(_unknown_param(str(err["loc"][-1]), name, model)) from None
                 where = ".".join(str(p) for p in err["loc"])
-                raise ValueError(f"{where}: {err['msg']}") from None
+                msg = str(err["msg"]).removeprefix("Value error, ")
+                raise ValueError(f"{where}: {msg}" if where else msg) from None
         return v
 
 

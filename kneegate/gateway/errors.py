@@ -2,6 +2,7 @@
 
     KneegateError
     ├── ConfigError            a config file or reload failed validation (field path + reason)
+    ├── CannotListen           a listening port could not be bound (in use, privileged, ...)
     └── HTTPError              answered to the caller as an OpenAI-style error body
         ├── Rejection          admission said no; always carries Retry-After
         │   ├── QueueFull          429 queue_full
@@ -41,7 +42,9 @@ address or exception text.
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -49,6 +52,7 @@ from kneegate.gateway.types import Send
 
 __all__ = [
     "BodyTooLarge",
+    "CannotListen",
     "ClientConnectionLimit",
     "ConfigError",
     "ContextTooLong",
@@ -95,6 +99,27 @@ class ConfigError(KneegateError):
         self.source, self.field, self.reason = source, field, reason
         where = f"{source}: {field}" if field else source
         super().__init__(f"{where}: {reason}")
+
+
+class CannotListen(KneegateError):
+    """A listening socket could not be bound; the message says what to change
+    (`flag`: the command-line option that picks another)."""
+
+    def __init__(self, host: str, port: int, exc: OSError, flag: str = "--port") -> None:
+        self.host, self.port, self.flag = host, port, flag
+        super().__init__(_cannot_listen(host, port, exc, flag))
+
+
+def _cannot_listen(host: str, port: int, exc: OSError, flag: str) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use; choose another with {flag}"
+    if exc.errno == errno.EACCES:
+        return (f"port {port} on {host} needs privileges (ports below 1024); choose another "
+                f"with {flag}")
+    if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+        return (f"cannot listen on {host}: not an address of this machine; choose another "
+                "with --host")
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
 class HTTPError(KneegateError):

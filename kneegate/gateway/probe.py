@@ -5,7 +5,7 @@ a time per upstream (`Upstream.busy`); each reads its answer and hands the verdi
 pool, which owns the upstream's state (gateway/upstreams.py says what the states mean).
 
 A probe answers in `PROBE_TIMEOUT` or is a failure: a 2xx is healthy
-(`UpstreamPool.probed`), anything else backs off.
+(`UpstreamPool.probed`), anything else backs off (and says why, for the start-up log).
 
 A scrape waits at most `stale_after` (figures that arrive later would not be used) and is
 counted by outcome: ok, timeout, error, http_error, unparsable. While the upstream is
@@ -38,16 +38,19 @@ async def probe(pool: UpstreamPool, client: UpstreamClient, up: Upstream, now: f
     the pool takes the verdicts."""
     assert up.config is not None
     models: dict[str, int | None] | None = None
+    why = ""
     try:
         status, _ = await client.get_text(up.url + up.config.health_path, PROBE_TIMEOUT)
         ok = 200 <= status < 300
-        if ok and up.models is None:
+        if not ok:
+            why = f"{up.config.health_path} answered HTTP {status}"
+        elif up.models is None:
             models = await read_models(client, up.url)
-    except UpstreamError:
-        ok = False
+    except UpstreamError as exc:
+        ok, why = False, exc.message
     finally:
         up.busy = False
-    pool.probed(up, ok, now, models)
+    pool.probed(up, ok, now, models, why)
 
 
 async def read_models(client: UpstreamClient, url: str) -> dict[str, int | None] | None:

@@ -9,7 +9,9 @@ config file in every worker (the parent forwards it).
 With `server.admin_port` set, a second socket is bound the same way and each worker serves
 the admin endpoints on it (`admin_server`: a second uvicorn server in the worker's event
 loop, beside the API one; like /metrics today, each worker answers for itself). Without
-it, and without an admin token, start-up warns that the API port shows them to everyone.
+it, and without an admin token, start-up warns that the API port shows them to everyone (at
+INFO when it listens on a loopback address: only this machine can reach it). A port that
+cannot be bound (in use, privileged) raises `CannotListen`, which the CLI prints as one line.
 
 Shutdown (SIGINT/SIGTERM, Ctrl-C): `GatewayServer` drains the gateway first
 (`Gateway.drain`: /ready 503, queued requests 503 shutting_down), then uvicorn stops
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import math
 import multiprocessing
@@ -52,13 +55,14 @@ import uvicorn
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config import GatewayConfig, Prepare, split_for_worker
 from kneegate.gateway.config_sections import LimitsConfig
+from kneegate.gateway.errors import CannotListen
 from kneegate.gateway.limits import ClientLimits
 from kneegate.gateway.logs import EMBEDDED
 from kneegate.gateway.wire import KneegateHttpProtocol, WireConfig
 
 __all__ = [
     "GatewayServer", "QuietServer", "admin_server", "bind", "embedded_upstream",
-    "exposure_warning", "run", "running", "serving", "uvicorn_config",
+    "exposure_warning", "listening_url", "run", "running", "serving", "uvicorn_config",
 ]
 
 log = logging.getLogger("kneegate")
@@ -108,11 +112,18 @@ def uvicorn_config(
     )
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A socket bound to `host`:`port`, for uvicorn to listen on (workers inherit it).
+    CannotListen says what to change when the port is taken or not ours to take (`flag`:
+    the option that picks another)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CannotListen(host, port, exc, flag) from exc
     sock.set_inheritable(True)
     return sock
 
@@ -343,6 +354,10 @@ def run(cfg: GatewayConfig, *, prepare: Prepare, config_path: str | None = None,
     if not prepare(cfg).upstreams and engine is None:
         raise ValueError("the config names no upstream and no embedded engine was given")
     sock = bind(cfg.server.host, cfg.server.port)
+    admin_sock = None
+    if cfg.server.admin_port is not None:
+        admin_sock = bind(cfg.server.admin_host or cfg.server.host, cfg.server.admin_port,
+                          "--admin-port")
     engine_sock = None
     if not prepare(cfg).upstreams:
         engine_sock = bind("127.0.0.1", 0)
@@ -350,23 +365,34 @@ def run(cfg: GatewayConfig, *, prepare: Prepare, config_path: str | None = None,
         # engine starts, instead of being refused (a 502, and the upstream marked failed)
         engine_sock.listen(128)
         prepare = _then(prepare, embedded_upstream(engine_sock.getsockname()[1]))
-        log.warning("no upstream configured: serving the built-in emulator (cpu-tiny) on %s",
-                    engine_sock.getsockname())
-    host, port = sock.getsockname()[:2]
-    log.warning("kneegate listening on http://%s:%d (%d worker%s)", host, port, workers,
-                "" if workers == 1 else "s")
-    admin_sock = None
-    if cfg.server.admin_port is not None:
-        admin_sock = bind(cfg.server.admin_host or cfg.server.host, cfg.server.admin_port)
-        host, port = admin_sock.getsockname()[:2]
-        log.warning("admin endpoints (/metrics, /kneegate/*) on http://%s:%d only", host, port)
+        log.info("no upstream configured: serving the built-in emulator (cpu-tiny) on %s",
+                 listening_url(engine_sock))
+    log.info("kneegate listening on %s (%d worker%s)", listening_url(sock), workers,
+             "" if workers == 1 else "s")
+    if admin_sock is not None:
+        log.info("admin endpoints (/metrics, /kneegate/*) on %s only", listening_url(admin_sock))
     elif (exposed := exposure_warning(cfg)) is not None:
-        log.warning("%s", exposed)
+        # on a loopback address only this machine's processes are its clients: a note
+        level = logging.INFO if _loopback(cfg.server.host) else logging.WARNING
+        log.log(level, "%s", exposed)
     if workers == 1:
         _worker_main(sock, cfg, prepare, config_path, engine_sock, engine_app=engine,
                      admin_sock=admin_sock)
         return 0
     return _supervise(sock, cfg, prepare, config_path, engine_sock, workers, engine, admin_sock)
+
+
+def listening_url(sock: socket.socket) -> str:
+    """The base URL a bound socket serves (`http://127.0.0.1:8080`, `http://[::1]:8080`)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _then(first: Prepare, second: Prepare) -> Prepare:

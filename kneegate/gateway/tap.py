@@ -7,8 +7,10 @@ end it looks for `usage` once, in those tail bytes: the final usage chunk of a s
 (`stream_options.include_usage`) or the body of a non-streamed JSON response.
 
 Output tokens: `usage.completion_tokens` when present, else the number of content events
-(every `data:` event minus `[DONE]` and a trailing usage-only event): vLLM emits about one
-event per decoded token, so this is an estimate, good enough for TPOT.
+(every `data:` event minus `[DONE]`, a trailing usage-only event and a chat stream's
+opening role-only event, `"delta": {"role": "assistant", "content": ""}`, looked for once,
+in the first chunk): vLLM emits about one event per decoded token, so this is an
+estimate, good enough for TPOT.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def _count(key: bytes) -> tuple[bytes, re.Pattern[bytes]]:
 _COMPLETION = _count(b"completion_tokens")
 _PROMPT = _count(b"prompt_tokens")
 _TAIL = 16384
+# A chat stream opens with a role-only event per choice (vLLM, OpenAI): no token. Looked for
+# in the first chunk's head only; keys may be followed by empty or null fields.
+_ROLE_ONLY = re.compile(
+    rb'"delta"\s*:\s*\{\s*"role"\s*:\s*"[^"\\]*"'
+    rb'(?:\s*,\s*"\w+"\s*:\s*(?:""|null|\[\]))*\s*\}')
+_ROLE_SCAN = 8192
 # A stream's usage is in its last events: a usage-only event before `[DONE]`
 # (`include_usage`), or every chunk's own (`continuous_usage_stats`). Looking only there
 # spares the two searches the rest of the tail: in most streams, which carry no usage,
@@ -57,6 +65,7 @@ class Tap:
             n = chunk.count(b"data:")
             if n and self.first_at is None:
                 self.first_at = self._clock()
+                n -= len(_ROLE_ONLY.findall(chunk, 0, _ROLE_SCAN))  # no token in them
                 if self._on_first is not None:
                     self._on_first()
             self.events += n

@@ -26,6 +26,7 @@ their generic `reason` (`UpstreamError.public`).
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 from types import TracebackType
 from urllib.parse import urlsplit
@@ -150,9 +151,10 @@ class UpstreamClient:
         except OSError as exc:
             reason = ("connection refused" if isinstance(exc, ConnectionRefusedError)
                       else "cannot connect")
-            raise UpstreamConnectError(
-                f"cannot connect to upstream {host}:{port}: {exc.strerror or exc}",
-                reason) from exc
+            # the errno's words: asyncio's own strerror carries the address as a tuple
+            why = os.strerror(exc.errno) if exc.errno else exc.strerror or str(exc)
+            raise UpstreamConnectError(f"cannot connect to upstream {host}:{port}: {why}",
+                                       reason) from exc
         conn.transport = transport  # uvloop may call connection_made only later
         if not tls:  # TLS records (tickets, alerts) may arrive unasked: judged in data_received
             sock = transport.get_extra_info("socket")

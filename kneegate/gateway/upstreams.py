@@ -11,9 +11,10 @@ again.
 
 Health is *unknown* until first contact: an upstream is `confirmed` once a probe of its
 `health_path` answered 2xx, a scrape answered, or a request got a response head. The
-gateway probes every upstream at start-up (`first_contact`) and keeps probing an
-unconfirmed one with back-off; admission still sends it traffic meanwhile (an unanswered
-probe is no verdict), but `/ready` counts only upstreams both usable and confirmed.
+gateway probes every upstream at start-up (`first_contact`: the log says which answer,
+and warns of each that does not yet, with why) and keeps probing an unconfirmed one with
+back-off; admission still sends it traffic meanwhile (an unanswered probe is no verdict),
+but `/ready` counts only upstreams both usable and confirmed.
 
 Which upstreams are scraped: `scrape: true` or a `metrics_url` scrapes from the start,
 `scrape: false` never. Unset (the default), the gateway *detects* it: its first scrape attempt
@@ -104,6 +105,7 @@ class Upstream(UpstreamState):
     busy: bool = False  # a probe or scrape is running
     handing: int = 0  # slots dispatched whose caller has not resumed yet (see Gate)
     confirmed: bool = False  # answered a probe, a scrape or a request since start-up
+    probe_error: str = ""  # why the last probe failed ("" when it answered 2xx)
     answered_at: float = -math.inf  # the last response byte from it (tick granularity)
     idle_at: float = -math.inf  # the last tick at which it had nothing in flight
     scrape_failures: int = 0  # scrapes in a row that timed out or failed
@@ -298,6 +300,12 @@ class UpstreamPool:
                 up.busy = True
                 probes.append(probe(self, client, up, now))
         await asyncio.gather(*probes)
+        for up in self.active:
+            if up.config is not None and not up.confirmed:
+                log.warning("upstream %s (%s) does not answer yet (%s): kneegate serves, but "
+                            "/ready answers 503 until an upstream does; probing it with "
+                            "back-off", up.name, public_url(up.url),
+                            up.probe_error or "no answer")
 
     def _judge_silence(self, up: Upstream, now: float) -> None:
         """Frozen: failing scrapes and in-flight requests silent for stall_after."""
@@ -314,10 +322,15 @@ class UpstreamPool:
             up.refresh_usable()
 
     def probed(self, up: Upstream, ok: bool, now: float,
-               models: dict[str, int | None] | None = None) -> None:
-        """A health probe's verdict: a 2xx (`ok`) makes `up` healthy, else it backs off;
-        and, when they were asked for, the models it serves (None: ask again, backing off)."""
+               models: dict[str, int | None] | None = None, why: str = "") -> None:
+        """A health probe's verdict: a 2xx (`ok`) makes `up` healthy, else it backs off
+        (`why`: what failed); and, when they were asked for, the models it serves (None:
+        ask again, backing off)."""
         assert up.config is not None
+        up.probe_error = "" if ok else why
+        if ok and not up.confirmed and up.healthy:  # (an unhealthy one says "healthy again")
+            log.info("upstream %s (%s) answers %s", up.name, public_url(up.url),
+                     up.config.health_path)
         if models is not None:
             up.models = models
             self._contexts()

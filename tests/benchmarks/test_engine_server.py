@@ -1,7 +1,14 @@
-"""The emulator behind a real socket, spoken to by the real openai client and raw HTTP."""
+"""The emulator behind a real socket, spoken to by the real openai client and raw HTTP; and
+`kneegate engine` as a user starts it."""
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -239,3 +246,53 @@ def test_cli_takes_both_flags_as_vllm_spells_them() -> None:
     for bad in ("-1", "abc", "1.5K", "1.5", "k", ""):
         with pytest.raises(SystemExit):
             parse_args(["--max-num-queued-tokens", bad])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _line(proc: subprocess.Popen[bytes], prefix: str, timeout: float = 30.0) -> str:
+    """The child's first line on stderr that starts with `prefix`, within `timeout`."""
+    assert proc.stderr is not None
+    deadline, buf = time.monotonic() + timeout, b""
+    while True:
+        for line in buf.decode().splitlines(keepends=True):
+            if line.startswith(prefix) and line.endswith("\n"):
+                return line.strip()
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stderr], [], [], left)[0]:
+            break
+        chunk = os.read(proc.stderr.fileno(), 65536)
+        if not chunk:
+            break  # it exited
+        buf += chunk
+    raise AssertionError(f"no line starting {prefix!r} within {timeout}s: {buf!r}")
+
+
+def test_kneegate_engine_says_where_it_listens_once_it_does() -> None:
+    port = _free_port()
+    with subprocess.Popen([sys.executable, "-m", "kneegate", "engine", "--port", str(port)],
+                          stderr=subprocess.PIPE) as proc:
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _line(proc, f"kneegate engine: the cpu-tiny emulator listening on {url} ")
+            assert httpx.get(url + "/health", timeout=5).status_code == 200  # listening: no wait
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=20)
+    assert proc.returncode == 0
+
+
+def test_kneegate_engine_on_a_port_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "kneegate", "engine", "--port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr == (f"kneegate: port {port} on 127.0.0.1 is in use; choose another with "
+                          "--port\n")

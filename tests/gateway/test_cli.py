@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -194,3 +196,87 @@ def test_benchmark_tools_are_reached_lazily(tool: str) -> None:
     out = subprocess.run([sys.executable, "-m", "kneegate", tool, "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "usage:" in out.stdout
+
+
+# --- mistakes a newcomer makes: one line saying what to do, never a traceback --------------
+
+def run_cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m kneegate ARGS` (or `code` run with `python -c`), to its end."""
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "kneegate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def one_line(out: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("flag", ["--port", "--admin-port"])
+def test_a_port_in_use_is_one_line_and_a_usage_error(flag: str) -> None:
+    with taken_port() as port:
+        # an upstream is named (unreachable, never asked): nothing but the bind can fail
+        out = run_cli("serve", "--upstream", "http://127.0.0.1:9", "--port",
+                      str(port if flag == "--port" else free_port()), *(
+                          ["--admin-port", str(port)] if flag == "--admin-port" else []))
+    assert out.returncode == 2
+    assert one_line(out) == (f"kneegate: port {port} on 127.0.0.1 is in use; choose another "
+                             f"with {flag}")
+
+
+def test_a_config_file_that_is_not_there_is_one_line() -> None:
+    out = run_cli("serve", "--config", "/nonexistent/kneegate.yaml")
+    assert out.returncode == 2
+    assert one_line(out) == ("kneegate: invalid config: /nonexistent/kneegate.yaml: cannot "
+                             "read: No such file or directory")
+
+
+def test_a_command_that_needs_the_bench_extra_says_how_to_install_it() -> None:
+    # aiohttp made unimportable, as in an install without the extra
+    code = ("import sys; sys.modules['aiohttp'] = None; from kneegate.cli import main; "
+            "sys.exit(main(['demo']))")
+    out = run_cli(code=code)
+    assert out.returncode == 2
+    line = one_line(out)
+    assert line.startswith("kneegate demo needs the bench extra (aiohttp is not installed)")
+    assert "pip install 'kneegate[bench]'" in line
+
+
+def test_the_bench_modules_are_the_bench_extra() -> None:
+    from kneegate.cli import BENCH_MODULES
+
+    extra = [r for r in importlib.metadata.requires("kneegate") or []
+             if r.replace(" ", "").endswith('extra=="bench"')]
+    assert {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0] for r in extra} == BENCH_MODULES
+
+
+def test_version() -> None:
+    out = run_cli("--version")
+    assert out.returncode == 0
+    assert out.stdout == f"kneegate {importlib.metadata.version('kneegate')}\n"
+
+
+def test_serve_help_shows_the_defaults_and_the_controllers() -> None:
+    from kneegate.controllers.registry import CONTROLLERS
+    from kneegate.gateway.config import GatewayConfig
+
+    out = run_cli("serve", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())  # argparse wraps lines
+    server = GatewayConfig().server
+    for default in (f"(default: {server.port};", f"(default: {server.host};",
+                    f"(default: {server.workers})", "(default: knee)", "(default: 2)",
+                    "(default: text)"):
+        assert default in text
+    assert "{" + ",".join(sorted(CONTROLLERS)) + "}" in text
+    assert "..." not in text

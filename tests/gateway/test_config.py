@@ -37,12 +37,31 @@ def test_defaults_need_no_file() -> None:
 @pytest.mark.parametrize(
     ("data", "field", "reason"),
     [
-        ({"upstreams": [{"name": "a", "url": "localhost:8000"}]}, "upstreams.0.url", "http"),
-        ({"upstreams": [{"name": "a", "url": "http://h:1/v1"}]}, "upstreams.0.url", "no path"),
+        ({"upstreams": [{"name": "a", "url": "localhost:8000"}]}, "upstreams[a].url", "http"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1/v1"}]}, "upstreams[a].url", "no path"),
         ({"upstreams": [{"name": "a", "url": "http://h:1", "controller": "magic"}]},
-         "upstreams.0.controller", "unknown controller"),
+         "upstreams[a].controller", "unknown controller"),
         ({"upstreams": [{"name": "a", "url": "http://h:1", "params": {"initial": 0}}]},
-         "upstreams.0.params", "initial"),
+         "upstreams[a].params.initial", "greater than or equal to 1"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1", "params": {"intial": 4}}]},
+         "upstreams[a].params.intial",
+         "not a parameter of controller 'knee' (did you mean 'initial'?)"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1", "controller": "aimd",
+                         "params": {"backof": 0.8}}]},
+         "upstreams[a].params.backof", "did you mean 'backoff'?"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1", "controller": "fixed",
+                         "params": {"sk-live-0123abcd": 1}}]},
+         "upstreams[a].params.<unknown key>",
+         "not shown: it may be a secret); its parameters: initial, max_limit, min_limit,"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1", "params": {"initial": 4,
+                                                                       "min_limit": 8}}]},
+         "upstreams[a].params", "need min_limit <= initial <= max_limit, got 8 <= 4"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1"}, {"url": "http://h:2"}]},
+         "upstreams[http://h:2].name", "Field required"),
+        ({"upstreams": [{"url": "http://ops:pw-secret@h:2?key=k-secret"}]},
+         "upstreams[http://h:2?***].name", "Field required"),
+        ({"upstreams": [{"name": "a", "url": "http://h:1", "stale_after": 0.5}]},
+         "upstreams[a].stale_after", "give more than scrape_interval"),
         ({"timeouts": {"idle": -1}}, "timeouts.idle", "greater than 0"),
         ({"max_queue": -1}, "max_queue", "greater than or equal to 0"),
         ({"default_class": "vip"}, "default_class", "'vip' is not one of"),
@@ -67,7 +86,7 @@ def test_bad_config_names_field_and_reason(data: object, field: str, reason: str
 def test_url_errors_hide_passwords_and_queries() -> None:
     for url in ("http://ops:pw-secret@h:1/v1?key=k-secret", "ftp://ops:pw-secret@h:1"):
         field, reason = _field({"upstreams": [{"name": "a", "url": url}]})
-        assert field == "upstreams.0.url" and "ops:***@h:1" in reason
+        assert field == "upstreams[a].url" and "ops:***@h:1" in reason
         assert "pw-secret" not in reason and "k-secret" not in reason
 
 
@@ -81,7 +100,7 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     bad.write_text("upstreams:\n  - name: a\n    url: http://h:1\n    params: {initial: 0}\n")
     assert main(["check-config", str(bad)]) == 1
     err = capsys.readouterr().err
-    assert "upstreams.0.params" in err and "initial" in err
+    assert "upstreams[a].params.initial" in err
     assert main(["check-config", str(EXAMPLE)]) == 0
     assert main(["check-config", str(tmp_path / "missing.yaml")]) == 1
     (tmp_path / "broken.yaml").write_text("upstreams: [\n")
@@ -90,6 +109,15 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (tmp_path / "empty.yaml").write_text("")
     assert main(["check-config", str(tmp_path / "empty.yaml")]) == 1
     assert "the config is empty" in capsys.readouterr().err
+
+
+def test_check_config_names_upstreams_without_their_credentials(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "kneegate.yaml"
+    path.write_text("upstreams: [{name: vllm, url: 'http://ops:pw-secret@h:1'}]\n")
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "upstreams: vllm=http://h:1 (knee)" in out and "pw-secret" not in out
 
 
 @pytest.mark.parametrize(("content", "reason"), [

@@ -1,6 +1,7 @@
 """Logs: one access line per request from a real served gateway (fields, JSON shape, no key or
-prompt), `--no-access-log`, and `kneegate serve --log-format json` as a user runs it: every
-line one JSON object, uvicorn's start-up lines once."""
+prompt; an engine's 4xx not `ok`; a stream's tokens as the engine's own count), `--no-access-log`,
+and `kneegate serve` as a user runs it: every line one JSON object, uvicorn's start-up lines
+once, a normal start at INFO, an engine that does not answer at start said so."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import io
 import json
 import logging
 import os
+import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from helpers.gateway import FakeEngine, gw_config, serve
 from kneegate.gateway.access import AccessLog
 from kneegate.gateway.app import build_app
 from kneegate.gateway.logs import JsonFormatter
+from kneegate.gateway.request_size import read_request
 
 KEY = "sk-very-secret-key-0042"
 PROMPT = "the user's private prompt text"
@@ -201,7 +205,13 @@ def test_serve_logs_json_once_per_line_and_no_secret(tmp_path: Path) -> None:
                            headers={"authorization": f"Bearer {KEY}", "x-request-id": "cli-1"},
                            json={"prompt": PROMPT, "max_tokens": 4, "stream": True})
             assert r.status_code == 200
-            out.until('"request_id": "cli-1"')
+            # a chat stream as the openai client sends it: no usage asked for
+            r = httpx.post(url + "/v1/chat/completions", timeout=10,
+                           headers={"x-request-id": "cli-2"},
+                           json={"model": "cpu-tiny", "max_tokens": 16, "stream": True,
+                                 "messages": [{"role": "user", "content": PROMPT}]})
+            assert r.status_code == 200 and r.text.count("data:") == 18  # role, 16, [DONE]
+            out.until('"request_id": "cli-2"')
         finally:
             proc.send_signal(signal.SIGINT)
             lines = out.rest()
@@ -212,7 +222,82 @@ def test_serve_logs_json_once_per_line_and_no_secret(tmp_path: Path) -> None:
                     "Application startup complete."):
         assert sum(m.startswith(startup) for m in messages) == 1, (startup, messages)
     assert any(r["logger"] == "uvicorn.error" for r in records)
-    (access,) = [r for r in records if r["logger"] == "kneegate.access"]
-    assert access["upstream"] == "embedded" and access["output_tokens"] == 4
+    # a normal start is news, not a warning; addresses as URLs, never a Python tuple
+    assert [r["message"] for r in records if r["level"] != "INFO"] == []
+    (emulator,) = [m for m in messages if m.startswith("no upstream configured")]
+    assert re.search(r"\(cpu-tiny\) on http://127\.0\.0\.1:\d+$", emulator), emulator
+    assert not any(re.search(r"\('[\d.]+', \d+\)", m) for m in messages), messages
+    access = {r["request_id"]: r for r in records if r["logger"] == "kneegate.access"}
+    assert access["cli-1"]["upstream"] == "embedded" and access["cli-1"]["output_tokens"] == 4
+    chat = access["cli-2"]
+    assert chat["outcome"] == "ok" and chat["output_tokens"] == 16  # the role event is no token
+    assert chat["prompt_tokens"] > 0  # the stream carries no usage: the prompt as sized
     text = "\n".join(lines)
     assert KEY not in text and PROMPT not in text
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again: nothing listens there
+
+
+def test_serve_says_when_its_engine_does_not_answer_at_start() -> None:
+    engine = f"http://127.0.0.1:{_closed_port()}"
+    with subprocess.Popen(
+        [sys.executable, "-m", "kneegate", "serve", "--port", "0", "--upstream", engine],
+        cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+    ) as proc:
+        out = Lines(proc)
+        try:
+            listening = out.until("kneegate listening on")
+            assert " INFO kneegate listening on http://127.0.0.1:" in listening
+            url = listening.split(" on ")[1].split()[0]
+            line = out.until("does not answer yet")
+            assert f" WARNING upstream upstream0 ({engine}) does not answer yet (cannot " \
+                   f"connect to upstream {engine[7:]}: Connection refused): kneegate " \
+                   "serves, but /ready answers 503 until an upstream does" in line
+            deadline = time.monotonic() + 20
+            while True:  # the port accepts once the start-up probes are done
+                assert time.monotonic() < deadline, "not accepting within 20 s"
+                try:
+                    ready = httpx.get(url + "/ready", timeout=5)
+                    break
+                except httpx.TransportError:
+                    time.sleep(0.05)
+            assert ready.status_code == 503
+        finally:
+            proc.send_signal(signal.SIGINT)
+            lines = out.rest()
+            assert proc.wait(20) == 0
+    assert not any("Traceback" in x for x in lines), lines
+
+
+@pytest.mark.anyio
+async def test_access_lines_through_the_emulator(json_log: io.StringIO) -> None:
+    engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
+    chat = {"model": "cpu-tiny", "max_tokens": 16, "stream": True,
+            "messages": [{"role": "user", "content": PROMPT}]}
+    completion = {"model": "cpu-tiny", "max_tokens": 16, "stream": True, "prompt": PROMPT}
+    async with contextlib.AsyncExitStack() as stack:
+        up = await stack.enter_async_context(serve(engine_server.build_app("cpu-tiny")))
+        gw = await stack.enter_async_context(serve(build_app(gw_config(up))))
+        client = await stack.enter_async_context(httpx.AsyncClient(timeout=10))
+        for rid, path, body in (("chat", "/v1/chat/completions", chat),
+                                ("text", "/v1/completions", completion),
+                                ("usage", "/v1/completions",
+                                 {**completion, "stream_options": {"include_usage": True}})):
+            r = await client.post(gw + path, json=body, headers={"x-request-id": rid})
+            assert r.status_code == 200
+        r = await client.get(gw + "/v1/no-such-thing", headers={"x-request-id": "404"})
+        assert r.status_code == 404
+        await _until(lambda: len(_access(json_log)) == 4, "four access lines")
+    lines = {a["request_id"]: a for a in _access(json_log)}
+    for rid in ("chat", "text", "usage"):
+        assert (lines[rid]["outcome"], lines[rid]["output_tokens"]) == ("ok", 16), rid
+    # no usage in the stream: the prompt as admission read it from the content
+    for rid, path, body in (("chat", b"/v1/chat/completions", chat),
+                            ("text", b"/v1/completions", completion)):
+        sized = read_request("POST", path, json.dumps(body).encode()).prompt
+        assert lines[rid]["prompt_tokens"] == sized > 0
+    assert (lines["404"]["outcome"], lines["404"]["status"]) == ("client_error", 404)

@@ -81,3 +81,28 @@ def test_a_streams_usage_is_read_from_its_last_events_only() -> None:
              + b"".join(_event({"choices": [{"text": str(i)}]}) for i in range(4))
              + b"data: [DONE]\n\n")
     assert tap.usage() == (0, 5)
+
+
+def _chat(delta: dict[str, object], finish: str | None = None) -> bytes:
+    return _event({"id": "chatcmpl-1", "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+def test_a_chat_streams_opening_role_event_is_no_token() -> None:
+    # vLLM's chat stream: the assistant's role with empty content, then a token an event
+    for opening in ({"role": "assistant", "content": ""},
+                    {"role": "assistant", "content": "", "refusal": None}):  # OpenAI's
+        tap = Tap(Clock(), streaming=True)
+        tap.feed(_chat(opening))
+        for i in range(16):
+            tap.feed(_chat({"content": f"t{i}"}, "length" if i == 15 else None))
+        tap.feed(b"data: [DONE]\n\n")
+        assert tap.usage() == (0, 16)
+        assert tap.events == 17  # what the tenant is charged as it streams: 16 and [DONE]
+
+
+def test_a_role_event_that_carries_text_counts() -> None:
+    tap = Tap(Clock(), streaming=True)
+    tap.feed(_chat({"role": "assistant", "content": "Hi"}) + _chat({"content": "!"}))
+    tap.feed(b"data: [DONE]\n\n")
+    assert tap.usage() == (0, 2)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import socket
+import sys
 from typing import TYPE_CHECKING
 
 from kneegate.benchmarks.engine.profiles import list_profiles
@@ -87,22 +89,37 @@ def make_app(args: argparse.Namespace) -> Starlette:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve the emulator until interrupted."""
+    """Serve the emulator until interrupted; once it accepts, one line on stderr says where.
+    A port it cannot bind raises CannotListen (`kneegate engine` prints it as one line)."""
     import uvicorn
+
+    from kneegate.gateway.server import bind, listening_url
 
     args = parse_args(argv)
     app = make_app(args)
     logging.basicConfig(level=args.log_level.upper())
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        loop="auto",
-        http="auto",
-    )
+    sock = bind(args.host, args.port)
+    line = (f"kneegate engine: the {args.profile} emulator listening on {listening_url(sock)} "
+            "(an OpenAI-compatible API, as vLLM serves it; Ctrl-C stops it)")
+
+    class Announcing(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(line, file=sys.stderr, flush=True)
+
+    server = Announcing(uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                       loop="auto", http="auto"))
+    server.run(sockets=[sock])
+    if not server.started:
+        raise SystemExit(3)  # as uvicorn.run: the app failed to start (its log says why)
 
 
 if __name__ == "__main__":
-    main()
+    from kneegate.gateway.errors import CannotListen
+
+    try:
+        main()
+    except CannotListen as exc:  # as `kneegate engine` says it: one line, a usage error
+        print(f"kneegate engine: {exc}", file=sys.stderr)
+        sys.exit(2)
