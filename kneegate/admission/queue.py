@@ -305,8 +305,8 @@ class AdmissionQueue:
         budget = self._wait.budget(policy.queue_budget, objective)
         # the budget rations the excess of tenants over their share: one under its share
         # may wait for its place as long as its objective allows
-        own = (self._wait.budget(1.0, objective) if q.under_share(ticket, self._slots())
-               else budget)
+        under = q.under_share(ticket, self._slots())
+        own = self._wait.budget(1.0, objective) if under else budget
         ahead = higher + q.position(ticket)
         wait = self._predict(ahead, now)
         if wait is not None and wait > own:  # even its fair place is too late
@@ -330,7 +330,7 @@ class AdmissionQueue:
             if victim is not ticket:
                 q.remove(victim)
                 evicted = (victim, answer)
-            elif full or own == budget:  # (one under its share is late by no one's excess)
+            elif full or not under:  # one under its share is late by no one's excess
                 return answer
         ticket.due, ticket.deadline = self._due(ticket, policy, now)
         self._busy_queue(now)
