@@ -69,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vLLM >= 0.32: answer 503 while the prompts of requests without a first token "
         "sum to N or more (e.g. 2560, 32k); default: no cap",
     )
+    ap.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's automatic prefix caching (on by default in vLLM; the emulator's profiles "
+        "leave it off): a prompt's blocks seen before skip their prefill",
+    )
     ap.add_argument("--log-level", default="warning")
     return ap.parse_args(argv)
 
@@ -85,6 +92,7 @@ def make_app(args: argparse.Namespace) -> Starlette:
         relay_interval=args.relay_interval,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

@@ -30,6 +30,19 @@ requests it has handed to the engine, which is what the core knows here:
   that sum is already >= the cap. A preempted request that had emitted tokens does not count
   again (vLLM's frontend keeps it out of the prefill phase).
 The request cap is checked first, so a request both caps refuse is counted under it.
+
+Prefix caching (vLLM's automatic prefix caching, vllm/v1/core/kv_cache_manager.py; on when the
+profile's `enable_prefix_caching` is): a request may carry `block_keys`, one key per *full*
+block of its prompt, each standing for that block's tokens and everything before them (a hash
+chain, as vLLM's block hashes). Blocks whose key is known stay in the cache after their request
+ends, counted as free but kept in least-recently-freed order, and are evicted only when an
+allocation needs more blocks than the uncached free ones. When a request is scheduled with
+nothing computed (first time, or after a preemption), its leading run of known keys, capped
+at `prompt - 1` tokens (the last prompt token is always recomputed for its logits), counts as
+computed: those blocks are shared (a reference each), their prefill is skipped. As a request
+computes a full prompt block, the block is published under its key (or, if another request
+published it meanwhile, the request drops its copy and shares theirs). First schedulings
+count the prompt tokens queried and hit (vLLM's `vllm:prefix_cache_queries` / `_hits`).
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from kneegate.benchmarks.engine.blocks import BlockPool
 from kneegate.benchmarks.engine.cost import StepCost, Wander
 from kneegate.benchmarks.engine.profiles import Profile
 
@@ -73,6 +87,7 @@ class EngineRequest:
     prompt_tokens: int
     max_tokens: int  # output tokens to generate
     ignore_eos: bool = False  # True: exactly max_tokens even if the profile has an EOS model
+    block_keys: tuple[int, ...] = ()  # one per full prompt block: the prefix-cache hash chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +118,15 @@ class CoreStats:
     generation_tokens_total: int
     admission_rejections: dict[str, int] = field(default_factory=dict)  # by reason
     prefill_tokens: int = 0  # what max_num_queued_tokens is compared with
+    prefix_cache_queries: int = 0  # prompt tokens looked up at first scheduling
+    prefix_cache_hits: int = 0  # ... of which found in the cache
 
 
 class _Req:
-    __slots__ = ("blocks", "computed", "id", "max_tokens", "output", "prompt", "started", "target")
+    __slots__ = (
+        "block_keys", "blocks", "computed", "id", "keys", "max_tokens", "output", "prompt",
+        "started", "target",
+    )
 
     def __init__(self, req: EngineRequest, target: int) -> None:
         self.id = req.request_id
@@ -115,8 +135,14 @@ class _Req:
         self.target = target  # output tokens it will produce (< max_tokens: an EOS stop)
         self.output = 0
         self.computed = 0  # tokens whose KV is in the cache
-        self.blocks = 0
+        self.blocks = 0  # blocks held alone (not published under a key)
+        self.block_keys = req.block_keys
+        self.keys: list[int] = []  # the leading prompt blocks it shares, by key
         self.started = False
+
+    @property
+    def held(self) -> int:
+        return self.blocks + len(self.keys)
 
 
 class EngineCore:
@@ -132,7 +158,7 @@ class EngineCore:
         self._max_seqs = profile.engine.max_num_seqs
         self._budget = profile.engine.max_num_batched_tokens
         self._total_blocks = profile.num_blocks
-        self._free = self._total_blocks
+        self._pool = BlockPool(self._total_blocks)
         self._running: list[_Req] = []
         self._waiting: deque[_Req] = deque()
         self._by_id: dict[str, _Req] = {}
@@ -143,6 +169,8 @@ class EngineCore:
         self._max_queued_tokens = profile.engine.max_num_queued_tokens
         self._prefill_tokens = 0  # prompts of requests with no output token yet
         self._rejections = dict.fromkeys(ADMISSION_REASONS, 0)
+        self._caching = profile.engine.enable_prefix_caching
+        self._queries = self._hits = 0
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -190,8 +218,7 @@ class EngineCore:
             self._running.remove(r)
         if r.output == 0:
             self._prefill_tokens -= r.prompt
-        self._free += r.blocks
-        r.blocks = 0
+        self._release(r)
         return True
 
     def has_unfinished(self) -> bool:
@@ -201,12 +228,14 @@ class EngineCore:
         return CoreStats(
             running=len(self._running),
             waiting=len(self._waiting),
-            kv_cache_usage=1.0 - self._free / self._total_blocks,
+            kv_cache_usage=1.0 - self._pool.free / self._total_blocks,
             num_preemptions_total=self._preemptions,
             prompt_tokens_total=self._prompt_total,
             generation_tokens_total=self._gen_total,
             admission_rejections=dict(self._rejections),
             prefill_tokens=self._prefill_tokens,
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
         )
 
     # -- the step ---------------------------------------------------------------------------
@@ -227,14 +256,14 @@ class EngineCore:
         while i < len(running) and budget > 0:
             r = running[i]
             n = min(r.prompt + r.output - r.computed, budget)
-            need = self._blocks_for(r.computed + n) - r.blocks
-            while need > self._free:
+            need = self._blocks_for(r.computed + n) - r.held
+            while need > self._pool.free:
                 victim = running.pop()
                 self._preempt(victim)
                 preempted += 1
                 if victim is r:
                     return scheduled, preempted
-            self._free -= need
+            self._pool.take(need)
             r.blocks += need
             scheduled.append((r, n))
             budget -= n
@@ -246,13 +275,17 @@ class EngineCore:
         waiting, running = self._waiting, self._running
         while waiting and budget > 0 and len(running) < self._max_seqs:
             r = waiting[0]
-            n = min(r.prompt + r.output - r.computed, budget)
-            need = self._blocks_for(r.computed + n) - r.blocks
-            if need > self._free:
+            hits = self._lookup(r) if r.computed == 0 and self._caching else []
+            computed = len(hits) * self._block or r.computed
+            n = min(r.prompt + r.output - computed, budget)
+            need = self._blocks_for(computed + n) - r.held - len(hits)
+            if need + self._pool.revived(hits) > self._pool.free:
                 break
             waiting.popleft()
             running.append(r)
-            self._free -= need
+            if r.computed == 0 and self._caching:
+                self._share(r, hits)
+            self._pool.take(need)
             r.blocks += need
             scheduled.append((r, n))
             budget -= n
@@ -274,6 +307,8 @@ class EngineCore:
             attn += n * (r.computed + n / 2)
             r.computed += n
             context += r.computed
+            if len(r.keys) < len(r.block_keys):
+                self._publish(r)
             if r.computed == r.prompt + r.output:
                 sampled += 1
                 events.append(self._emit(r))
@@ -298,15 +333,49 @@ class EngineCore:
 
     def _finish(self, r: _Req) -> None:
         del self._by_id[r.id]  # _execute drops it from the running list after the batch
-        self._free += r.blocks
-        r.blocks = 0
+        self._release(r)
 
     def _preempt(self, r: _Req) -> None:
-        self._free += r.blocks
-        r.blocks = 0
+        self._release(r)
         r.computed = 0
         self._waiting.appendleft(r)
         self._preemptions += 1
+
+    # -- the prefix cache -------------------------------------------------------------------
+
+    def _release(self, r: _Req) -> None:
+        """Give back every block `r` holds; its published blocks stay cached while unshared."""
+        self._pool.give(r.blocks)
+        r.blocks = 0
+        self._pool.unref(r.keys)
+        r.keys = []
+
+    def _lookup(self, r: _Req) -> list[int]:
+        """The leading keys of `r` the cache knows, at most `prompt - 1` tokens' worth."""
+        hits: list[int] = []
+        for key in r.block_keys[: (r.prompt - 1) // self._block]:
+            if not self._pool.knows(key):
+                break
+            hits.append(key)
+        return hits
+
+    def _share(self, r: _Req, hits: list[int]) -> None:
+        """`r` starts from its cached prefix `hits`: a reference on each, prefill skipped."""
+        if not r.started:
+            self._queries += r.prompt
+            self._hits += len(hits) * self._block
+        for key in hits:
+            self._pool.ref(key)
+        r.keys = hits
+        r.computed = len(hits) * self._block
+
+    def _publish(self, r: _Req) -> None:
+        """Publish every full prompt block `r` has computed and holds alone."""
+        while len(r.keys) < len(r.block_keys) and (len(r.keys) + 1) * self._block <= r.computed:
+            key = r.block_keys[len(r.keys)]
+            self._pool.publish(key)
+            r.blocks -= 1
+            r.keys.append(key)
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self._block)

@@ -132,6 +132,16 @@ class _CoreCollector:
                 "Number of generation tokens processed.",
                 s.generation_tokens_total,
             ),
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                s.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                s.prefix_cache_hits,
+            ),
         ):
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, value)

@@ -75,6 +75,10 @@ class EngineSettings:
     # no cap, vLLM's default. See EngineCore.admission for what each one counts.
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    # vLLM's automatic prefix caching (EngineCore's docstring). vLLM turns it on by default; the
+    # emulator leaves it off unless asked (`--enable-prefix-caching`), because its load tools
+    # send one prompt over and over and every figure measured so far was measured without it.
+    enable_prefix_caching: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,12 @@ Prompt token counting (cheap and deterministic, not a tokenizer):
 - a list of token ids: its length;
 - chat: the sum over messages of ceil(content bytes / 4) + 4 per message (role and
   separators), + 3 for the assistant turn the template opens.
+Prefix-cache keys (only when the server caches prefixes): the prompt as the emulator's token
+stream — a token-id list as is; text as its UTF-8 bytes, 4 to a token; chat as its messages
+rendered one after another (each a 16-byte role header, then its content padded with NULs to a
+multiple of 4 bytes), then 12 bytes opening the assistant turn, so that the stream's length is
+the count above — cut into blocks of `block_size` tokens; each full block's key hashes the
+block with the key before it, so equal keys mean equal prefixes (vLLM's block hash chain).
 Output text is filler: token i (1-based) is " tok{i}", one token each, so a client that
 counts words counts tokens.
 
@@ -30,6 +36,7 @@ __all__ = [
     "chat_prompt_tokens",
     "error_body",
     "parse_request",
+    "prefix_block_keys",
     "queue_full",
     "text_prompt_tokens",
     "token_text",
@@ -96,12 +103,15 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    block_keys: tuple[int, ...] = ()  # the prompt's prefix-cache keys (when asked for)
 
 
 def parse_request(
-    raw: bytes, *, chat: bool, served_model: str, max_model_len: int
+    raw: bytes, *, chat: bool, served_model: str, max_model_len: int,
+    block_size: int | None = None,
 ) -> ParsedRequest:
-    """Validate a /v1/completions or /v1/chat/completions body; raise ApiError if bad."""
+    """Validate a /v1/completions or /v1/chat/completions body; raise ApiError if bad.
+    With a `block_size`, the request carries its prompt's prefix-cache keys."""
     body = _json_object(raw)
     model = body.get("model") or served_model
     if model != served_model:
@@ -126,7 +136,38 @@ def parse_request(
         stream=bool(body.get("stream", False)),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         ignore_eos=bool(body.get("ignore_eos", False)),
+        block_keys=prefix_block_keys(body, chat, block_size) if block_size else (),
     )
+
+
+def prefix_block_keys(body: dict[str, Any], chat: bool, block_size: int) -> tuple[int, ...]:
+    """The prefix-cache key of every full block of a validated request's prompt."""
+    stream: bytes | list[int]
+    width = 4  # bytes per emulated token
+    if chat:
+        stream = b"".join(_rendered(m) for m in body["messages"]) + b"\0" * 12
+    else:
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            stream = prompt.encode()
+        else:
+            stream, width = prompt, 1
+    step = block_size * width
+    keys: list[int] = []
+    key = 0
+    for start in range(0, len(stream) - step + 1, step):
+        chunk = stream[start : start + step]
+        key = hash((key, chunk if isinstance(chunk, bytes) else tuple(chunk)))
+        keys.append(key)
+    return tuple(keys)
+
+
+def _rendered(message: dict[str, Any]) -> bytes:
+    content = _content_text(message).encode()
+    header = str(message["role"]).encode()[:16].ljust(16, b"\0")
+    return header + content + b"\0" * (-len(content) % 4)
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

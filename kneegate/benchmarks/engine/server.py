@@ -83,10 +83,14 @@ class EmulatorState:
         cache = {
             "block_size": str(profile.engine.block_size),
             "num_gpu_blocks": str(profile.num_blocks),
+            "enable_prefix_caching": str(profile.engine.enable_prefix_caching),
         }
         self.metrics = EngineMetrics(self.registry, self.core.stats, model_name, cache)
         self.driver = RealTimeDriver(self.core, self.metrics, speed=speed)
         self.created = int(time.time())
+        # requests carry prefix-cache keys of this many tokens a block, or none (caching off)
+        engine = profile.engine
+        self.block_keys_of = engine.block_size if engine.enable_prefix_caching else None
 
 
 def build_app(
@@ -98,15 +102,20 @@ def build_app(
     relay_interval: float = 0.0,
     max_num_queued_reqs: int | None = None,
     max_num_queued_tokens: int | None = None,
+    enable_prefix_caching: bool | None = None,
 ) -> Starlette:
     """The emulator as an ASGI app; its state is `app.state.emulator`.
 
-    The two caps, where given, replace the profile's (vLLM's admission flags; None keeps it).
+    The two caps and prefix caching, where given, replace the profile's (vLLM's flags; None
+    keeps it).
     """
     relay = profile == RELAY
     prof = load_profile("cpu-tiny") if relay else _as_profile(profile)
     if not relay:
         prof = _with_caps(prof, max_num_queued_reqs, max_num_queued_tokens)
+        if enable_prefix_caching is not None:
+            engine = dataclasses.replace(prof.engine, enable_prefix_caching=enable_prefix_caching)
+            prof = dataclasses.replace(prof, engine=engine)
     name = model_name or (RELAY if relay else prof.name)
     state = EmulatorState(
         prof, speed=speed, seed=seed, model_name=name, relay=relay, relay_interval=relay_interval
@@ -204,6 +213,7 @@ async def _generate(state: EmulatorState, request: Request, *, chat: bool) -> Re
             chat=chat,
             served_model=state.model_name,
             max_model_len=state.profile.max_model_len,
+            block_size=state.block_keys_of,
         )
     except ApiError as err:
         return JSONResponse(error_body(err), status_code=err.status)
@@ -225,7 +235,8 @@ class _EngineResponse(Response):
         p, driver = self.parsed, self.state.driver
         try:
             queue = driver.submit(
-                EngineRequest(self.enc.id, p.prompt_tokens, p.max_tokens, ignore_eos=p.ignore_eos)
+                EngineRequest(self.enc.id, p.prompt_tokens, p.max_tokens, ignore_eos=p.ignore_eos,
+                              block_keys=p.block_keys)
             )
         except QueueFull as full:  # counted by the core; nothing of it is in the engine
             err = queue_full(full.reason)
