@@ -158,6 +158,8 @@ class AdmissionQueue:
     _net: StandingQueue = field(default_factory=StandingQueue, init=False)  # the safety net
     demand: Demand = field(default_factory=Demand, init=False)  # the scale-out signal's sums
     _buckets: TokenBuckets = field(default_factory=TokenBuckets, init=False)  # tokens a minute
+    # every queue of this gateway, where pools share its tenants (`share_tenants`)
+    _peers: Callable[[], list[AdmissionQueue]] | None = field(default=None, init=False)
     # seconds of prefill an upstream may be handed: the tightest class's queue budget
     _prefill_horizon: float = field(default=0.0, init=False)
     # a first token later than this after dispatch ends a slow start: the tightest objective
@@ -273,8 +275,10 @@ class AdmissionQueue:
         if self.closed:
             return self.shutdown_rejection()
         best: UpstreamState | None = None
+        model = ticket.model
         for u in self.upstreams:
-            if u.usable and (best is None or u.inflight + u.passing < best.inflight + best.passing):
+            if u.usable and u.serves(model) and (
+                    best is None or u.inflight + u.passing < best.inflight + best.passing):
                 best = u
         if best is None:
             return no_upstream(self.retry_after_min)
@@ -296,7 +300,7 @@ class AdmissionQueue:
         q = self._queues[cls]
         higher = self._ahead_of(cls, above=True)
         if higher == 0 and not q:
-            up = least_full(self.upstreams, ticket.tokens)
+            up = least_full(self.upstreams, ticket.tokens, model=ticket.model)
             if up is not None:
                 self._dispatch(ticket, up, now, queued=False)
                 return Admitted(up)
@@ -397,7 +401,8 @@ class AdmissionQueue:
         """429 `tenant_quota` when `ticket`'s tenant is at one of its own caps."""
         t = ticket.tenant
         if t.max_inflight is not None:
-            held = sum(q.held(t.name) for q in self._queues.values())
+            peers = self._peers() if self._peers is not None else [self]
+            held = sum(p.tenant_held(t.name) for p in peers)
             if held >= t.max_inflight:
                 return tenant_quota(t.label, f"{t.max_inflight} requests in flight",
                                     self.retry_after(held - t.max_inflight))
@@ -406,6 +411,16 @@ class AdmissionQueue:
             return tenant_quota(t.label, f"{t.tokens_per_minute:g} tokens a minute",
                                 self._clamp(wait))
         return None
+
+    def tenant_held(self, name: str) -> int:
+        """Requests of tenant `name` queued or in flight here."""
+        return sum(q.held(name) for q in self._queues.values())
+
+    def share_tenants(self, buckets: TokenBuckets,
+                      peers: Callable[[], list[AdmissionQueue]]) -> None:
+        """Several queues serve one gateway (`admission.pools`): tenants' caps count across
+        them all, `buckets` being their shared tokens-a-minute and `peers` every queue."""
+        self._buckets, self._peers = buckets, peers
 
     def _busy_queue(self, now: float) -> None:
         """A ticket is about to be queued: if none was, the queue's drain rate counts its
@@ -573,7 +588,7 @@ class AdmissionQueue:
                     self._stood()
                     head = q.head()
                     continue
-                up = least_full(self.upstreams, head.tokens)
+                up = least_full(self.upstreams, head.tokens, model=head.model)
                 if up is None:
                     return out
                 q.remove(head)
@@ -669,7 +684,7 @@ class AdmissionQueue:
         assert old is not None, "only a dispatched ticket can be rerouted"
         if not ticket.generation:
             return self._repass(ticket, old, now)
-        best = least_full(self.upstreams, ticket.tokens, skip=old)
+        best = least_full(self.upstreams, ticket.tokens, skip=old, model=ticket.model)
         if best is None:
             return None
         self._unplace(ticket, old)

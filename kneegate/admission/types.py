@@ -81,6 +81,9 @@ class UpstreamState:
     prefill_line: PrefillLine = field(default_factory=PrefillLine)
     # no refusal without evidence: None for a controller that is not adaptive (`fixed`)
     slow_start: SlowStart | None = None
+    # model id -> its context (`max_model_len`; None: not listed), as its engine lists them
+    # (or its config names them); None while unknown: it may serve any
+    models: dict[str, int | None] | None = None
 
     def __post_init__(self) -> None:
         if self.slow_start is None and getattr(self.controller, "adaptive", True):
@@ -108,6 +111,10 @@ class UpstreamState:
         return self.inflight == 0 or self.controller.fits(
             self.inflight, self.inflight_tokens, tokens
         )
+
+    def serves(self, model: str | None) -> bool:
+        """It may serve `model`: it lists it, or its list is unknown (or no model is named)."""
+        return model is None or self.models is None or model in self.models
 
     def take(self, tokens: int) -> None:
         """One more request in flight here, of `tokens` (its prompt-size estimate)."""
@@ -172,16 +179,20 @@ class Ticket:
     awaiting_first: bool = False  # dispatched, streamed, and no first token yet
     backlog_at_dispatch: int = 0  # its upstream's streamed requests awaiting a first token
     pooled: bool = False  # queued or served in its class's pool of unproven tenants
+    model: str | None = None  # the model it names: only an upstream serving it takes it
+    pool: Any = None  # the admission queue holding it, where several share the gateway
 
 
 def least_full(upstreams: list[UpstreamState], tokens: int,
-               skip: UpstreamState | None = None) -> UpstreamState | None:
-    """The upstream with room for `tokens` that is least full (in-flight / limit), `skip`
-    aside; None when none has room. The first of equals wins."""
+               skip: UpstreamState | None = None, model: str | None = None
+               ) -> UpstreamState | None:
+    """The upstream serving `model` with room for `tokens` that is least full (in-flight /
+    limit), `skip` aside; None when none has room. The first of equals wins."""
     best: UpstreamState | None = None
     for u in upstreams:
         if u is not skip and u.has_room_for(tokens) and (
-                best is None or u.fullness < best.fullness):
+                best is None or u.fullness < best.fullness) and (
+                model is None or u.models is None or model in u.models):
             best = u
     return best
 

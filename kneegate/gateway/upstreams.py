@@ -110,9 +110,6 @@ class Upstream(UpstreamState):
     idle_at: float = -math.inf  # the last tick at which it had nothing in flight
     scrape_failures: int = 0  # scrapes in a row that timed out or failed
     frozen: bool = False  # failing scrapes and silent requests: see the module docstring
-    # model id -> its context (`max_model_len`; None: not listed), from `/v1/models` at
-    # first contact and on recovery; None until read
-    models: dict[str, int | None] | None = None
 
     @property
     def knee_estimate(self) -> float | None:
