@@ -78,7 +78,9 @@ Dispatch order: higher `priority` classes first; within a class, fair shares bet
 tenants counted in tokens (`admission.fairness`: the least-served tenant's head first, FIFO
 within a tenant; with one tenant, plain FIFO). A request goes to the usable upstream with
 room for it (`UpstreamState`: its limit, and its controller's token budget) that is least
-full, in-flight / limit (`least_full`). A head that does not fit waits, and what is queued
+full, in-flight / limit (`least_full`), and that serves the model it names (`admission.pools`);
+with `affinity` on, to the one that served its prompt's longest known prefix while that one
+has room (`admission.affinity`). A head that does not fit waits, and what is queued
 behind it waits too, so a large request is never starved by smaller ones that slip past it.
 
 Which request a full queue sheds: when a class's queue must lose one (the arrival's place
@@ -102,6 +104,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kneegate.admission.affinity import PrefixMap
 from kneegate.admission.demand import Demand
 from kneegate.admission.fairness import FairQueue, TokenBuckets
 from kneegate.admission.types import (
@@ -158,6 +161,8 @@ class AdmissionQueue:
     _net: StandingQueue = field(default_factory=StandingQueue, init=False)  # the safety net
     demand: Demand = field(default_factory=Demand, init=False)  # the scale-out signal's sums
     _buckets: TokenBuckets = field(default_factory=TokenBuckets, init=False)  # tokens a minute
+    # prefix affinity (`admission.affinity`): where each prompt went; None: off
+    affinity: PrefixMap | None = None
     # every queue of this gateway, where pools share its tenants (`share_tenants`)
     _peers: Callable[[], list[AdmissionQueue]] | None = field(default=None, init=False)
     # seconds of prefill an upstream may be handed: the tightest class's queue budget
@@ -300,7 +305,8 @@ class AdmissionQueue:
         q = self._queues[cls]
         higher = self._ahead_of(cls, above=True)
         if higher == 0 and not q:
-            up = least_full(self.upstreams, ticket.tokens, model=ticket.model)
+            up = least_full(self.upstreams, ticket.tokens, model=ticket.model,
+                            prefer=self._preferred(ticket))
             if up is not None:
                 self._dispatch(ticket, up, now, queued=False)
                 return Admitted(up)
@@ -588,7 +594,8 @@ class AdmissionQueue:
                     self._stood()
                     head = q.head()
                     continue
-                up = least_full(self.upstreams, head.tokens, model=head.model)
+                up = least_full(self.upstreams, head.tokens, model=head.model,
+                                prefer=self._preferred(head))
                 if up is None:
                     return out
                 q.remove(head)
@@ -684,7 +691,8 @@ class AdmissionQueue:
         assert old is not None, "only a dispatched ticket can be rerouted"
         if not ticket.generation:
             return self._repass(ticket, old, now)
-        best = least_full(self.upstreams, ticket.tokens, skip=old, model=ticket.model)
+        best = least_full(self.upstreams, ticket.tokens, skip=old, model=ticket.model,
+                          prefer=self._preferred(ticket))
         if best is None:
             return None
         self._unplace(ticket, old)
@@ -766,7 +774,15 @@ class AdmissionQueue:
             ticket.awaiting_first = False
             up.prefilling -= 1
 
+    def _preferred(self, ticket: Ticket) -> str | None:
+        """The upstream holding `ticket`'s longest known prompt prefix (affinity on)."""
+        if self.affinity is None or not ticket.prefix:
+            return None
+        return self.affinity.lookup(ticket.prefix)
+
     def _place(self, ticket: Ticket, up: UpstreamState, now: float) -> None:
+        if self.affinity is not None and ticket.prefix:
+            self.affinity.record(ticket.prefix, up.name)
         if up.inflight == 0 and not any(u.inflight for u in self.upstreams):
             self._wait.completions.resume(now)  # busy again after idle
         up.inflight += 1  # `up.take`, inline

@@ -180,19 +180,24 @@ class Ticket:
     backlog_at_dispatch: int = 0  # its upstream's streamed requests awaiting a first token
     pooled: bool = False  # queued or served in its class's pool of unproven tenants
     model: str | None = None  # the model it names: only an upstream serving it takes it
+    prefix: tuple[int, ...] = ()  # its prompt's prefix keys, for affinity (`admission.affinity`)
     pool: Any = None  # the admission queue holding it, where several share the gateway
 
 
 def least_full(upstreams: list[UpstreamState], tokens: int,
-               skip: UpstreamState | None = None, model: str | None = None
-               ) -> UpstreamState | None:
+               skip: UpstreamState | None = None, model: str | None = None,
+               prefer: str | None = None) -> UpstreamState | None:
     """The upstream serving `model` with room for `tokens` that is least full (in-flight /
-    limit), `skip` aside; None when none has room. The first of equals wins."""
+    limit), `skip` aside; None when none has room. The first of equals wins; the upstream
+    named `prefer` (prefix affinity: `admission.affinity`) wins whenever it has room."""
     best: UpstreamState | None = None
     for u in upstreams:
-        if u is not skip and u.has_room_for(tokens) and (
-                best is None or u.fullness < best.fullness) and (
+        if u is skip or not u.has_room_for(tokens) or not (
                 model is None or u.models is None or model in u.models):
+            continue
+        if u.name == prefer:
+            return u
+        if best is None or u.fullness < best.fullness:
             best = u
     return best
 

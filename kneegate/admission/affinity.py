@@ -1,0 +1,67 @@
+"""Prefix affinity: send a prompt back to the engine that last served its beginning.
+
+vLLM keeps the KV of prompts it has computed (automatic prefix caching): a conversation's
+next turn, which repeats every earlier turn, is prefilled only from where it diverges, on
+the engine that served the last turn. So within a pool the queue prefers that engine.
+
+A request carries its prefix keys (`Ticket.prefix`), computed by the gateway from the
+prompt: one key per chat message (each hashing the message with every message before it),
+or per fixed run of a text or token prompt, so that equal keys mean equal prefixes. The map
+remembers, for the *whole* prompt of each dispatched request (its last key), the upstream
+it went to; a later request looks its keys up from the longest down, and the first found
+names the engine holding its longest known prefix. A conversation's turn k+1 begins with
+turn k's whole prompt, so one entry per request finds it; a system prompt shared by every
+user is not an entry of its own, and so never draws everyone to one engine.
+
+Bounded: at most `capacity` entries, the least recently used dropped first (an engine's own
+cache forgets too). Bounded load: the preferred engine is taken only while it has room under
+its own limit (`least_full`'s `prefer`); otherwise the request goes where there is most
+room, as without affinity, and its prefix is remembered there.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+__all__ = ["PrefixMap"]
+
+
+class PrefixMap:
+    """Prompt prefix key -> the upstream (name) that last served a prompt ending there."""
+
+    __slots__ = ("_entries", "capacity")
+
+    def __init__(self, capacity: int = 16384) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[int, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, keys: Sequence[int]) -> str | None:
+        """The upstream holding the longest of `keys` known (None: none is)."""
+        entries = self._entries
+        for i in range(len(keys) - 1, -1, -1):
+            name = entries.get(keys[i])
+            if name is not None:
+                entries.move_to_end(keys[i])
+                return name
+        return None
+
+    def record(self, keys: Sequence[int], upstream: str) -> None:
+        """A prompt with `keys` went to `upstream`: remember its whole prompt there."""
+        if not keys:
+            return
+        entries = self._entries
+        entries[keys[-1]] = upstream
+        entries.move_to_end(keys[-1])
+        if len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def forget(self, upstream: str) -> None:
+        """Drop every entry naming `upstream` (it left the pool, or its engine restarted)."""
+        for key in [k for k, name in self._entries.items() if name == upstream]:
+            del self._entries[key]

@@ -1,0 +1,71 @@
+"""Prefix affinity: a prompt goes back to the engine that served its beginning, while it
+has room."""
+
+from __future__ import annotations
+
+import pytest
+
+from kneegate.admission.affinity import PrefixMap
+from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.types import Admitted, ClassPolicy, Ticket, UpstreamState
+from kneegate.controllers.registry import build_controller
+
+CLASSES = {"default": ClassPolicy("default", priority=0, max_wait=5.0)}
+
+
+def test_the_longest_known_prefix_names_the_engine() -> None:
+    m = PrefixMap()
+    m.record((1, 2), "a")  # turn 1 of a conversation: two messages
+    m.record((1, 2, 3, 4), "b")  # turn 2, elsewhere
+    assert m.lookup((1, 2, 3, 4, 5, 6)) == "b"  # turn 3 begins with turn 2's whole prompt
+    assert m.lookup((1, 2, 9)) == "a"
+    assert m.lookup((1,)) is None  # a shared first message alone is no entry
+    assert m.lookup(()) is None
+
+
+def test_it_holds_at_most_its_capacity_dropping_the_least_recently_used() -> None:
+    m = PrefixMap(capacity=2)
+    m.record((1,), "a")
+    m.record((2,), "b")
+    assert m.lookup((1,)) == "a"  # used: now the most recent
+    m.record((3,), "c")
+    assert len(m) == 2 and m.lookup((2,)) is None and m.lookup((1,)) == "a"
+    m.forget("a")
+    assert m.lookup((1,)) is None and m.lookup((3,)) == "c"
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixMap(capacity=0)
+
+
+def queue(*limits: int) -> tuple[AdmissionQueue, list[UpstreamState]]:
+    ups = [UpstreamState(f"u{i}", build_controller("fixed", {"initial": n}))
+           for i, n in enumerate(limits)]
+    q = AdmissionQueue(ups, CLASSES)
+    q.affinity = PrefixMap()
+    return q, ups
+
+
+def offer(q: AdmissionQueue, prefix: tuple[int, ...], at: float = 0.0) -> UpstreamState:
+    decision = q.offer(Ticket("default", at, prefix=prefix), at)
+    assert isinstance(decision, Admitted)
+    return decision.upstream
+
+
+def test_a_conversations_next_turn_goes_where_the_last_one_went_while_it_has_room() -> None:
+    q, _ = queue(3, 3)
+    first = offer(q, (10, 11))
+    assert offer(q, (20, 21)) is not first  # no prefix known: least full, as ever
+    # turn 2 of the first conversation: back to its engine, though it is now as full
+    assert offer(q, (10, 11, 12, 13)) is first
+    assert offer(q, (10, 11, 12, 13, 14, 15)) is first  # turn 3: full now (3 of 3)
+    # turn 4 finds its engine full: it goes where there is room, and is remembered there
+    other = offer(q, (10, 11, 12, 13, 14, 15, 16, 17))
+    assert other is not first and first.inflight == first.limit
+    assert q.affinity is not None and q.affinity.lookup((10, 11, 12, 13, 14, 15, 16, 17)) == (
+        other.name)
+
+
+def test_without_affinity_the_least_full_engine_takes_it() -> None:
+    q, _ = queue(3, 3)
+    q.affinity = None
+    first = offer(q, (10, 11))
+    assert offer(q, (10, 11, 12, 13)) is not first
