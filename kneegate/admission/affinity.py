@@ -23,8 +23,40 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["PrefixMap"]
+__all__ = ["PrefixMap", "prompt_keys"]
+
+TEXT_RUN = 512  # characters of a text prompt a key covers (~128 tokens)
+TOKEN_RUN = 128  # token ids of a token prompt a key covers
+
+
+def prompt_keys(body: dict[str, Any]) -> tuple[int, ...]:
+    """A request's prefix keys: one per chat message (its role and content hashed with the
+    key before it), or one per full run of `TEXT_RUN` characters or `TOKEN_RUN` token ids
+    of a completion's prompt. Empty for anything else (a batch of prompts, no prompt)."""
+    keys: list[int] = []
+    key = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if not isinstance(m, dict):
+                return ()
+            key = hash((key, str(m.get("role")), str(m.get("content"))))
+            keys.append(key)
+        return tuple(keys)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        for end in range(TEXT_RUN, len(prompt) + 1, TEXT_RUN):
+            key = hash((key, prompt[end - TEXT_RUN : end]))
+            keys.append(key)
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        for end in range(TOKEN_RUN, len(prompt) + 1, TOKEN_RUN):
+            key = hash((key, tuple(prompt[end - TOKEN_RUN : end])))
+            keys.append(key)
+    return tuple(keys)
 
 
 class PrefixMap:

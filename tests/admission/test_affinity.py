@@ -69,3 +69,18 @@ def test_without_affinity_the_least_full_engine_takes_it() -> None:
     q.affinity = None
     first = offer(q, (10, 11))
     assert offer(q, (10, 11, 12, 13)) is not first
+
+
+def test_prompt_keys_grow_with_a_conversation_and_differ_between_conversations() -> None:
+    from kneegate.admission.affinity import TEXT_RUN, TOKEN_RUN, prompt_keys
+
+    turn1 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
+    k1, k2 = prompt_keys({"messages": turn1}), prompt_keys({"messages": turn2})
+    assert len(k1) == 2 and k2[:2] == k1 and len(k2) == 4
+    other = prompt_keys({"messages": [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "ho"}]})
+    assert other[0] == k1[0] and other[1] != k1[1]
+    assert len(prompt_keys({"prompt": "x" * (2 * TEXT_RUN + 1)})) == 2
+    assert len(prompt_keys({"prompt": list(range(TOKEN_RUN * 3))})) == 3
+    assert prompt_keys({"prompt": ["a", "b"]}) == () and prompt_keys({}) == ()
