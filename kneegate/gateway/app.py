@@ -7,8 +7,9 @@ Dispatch is a few byte tests per request: `/v1/*`, `/tokenize`, `/detokenize` an
 HEAD and OPTIONS get 405); everything else goes to Starlette (gateway/endpoints.py), which
 serves `/health`, `/ready` and, unless `server.admin_port` moves them to a port of their own
 (`KneegateApp.admin`), `/metrics`, `/kneegate/status`, `/kneegate/history`,
-`POST /kneegate/reload` and the live page at `/kneegate/` (gateway/livepage.py), and answers
-404 (OpenAI-style body) for any other path: never an open proxy. A raw path that could hide
+`POST /kneegate/reload` and the live page at `/kneegate/`
+(gateway/observability/livepage.py), and answers 404 (OpenAI-style body) for any other path:
+never an open proxy. A raw path that could hide
 a dot segment ('%', '/.' or '\\' in it) is normalised first (`forwarding.proxied_path`): it is
 forwarded in its normalised form if that is a proxied path, else answered 404 (400 for
 a form servers read differently: an encoded '/' or '\\', '/..;/', '%252e'), and never
@@ -16,10 +17,10 @@ reaches the gateway's own endpoints; these refusals and the 405s are counted in
 `kneegate_client_rejections_total` (`invalid_path`, `method_not_allowed`).
 
 `Gateway` is the process's runtime: pool, queue, gate, client, metrics, the tick task, the
-live page's history (`gateway/history.py`, sampled once a second by a task of its own),
-`apply(config)` which swaps limits, timeouts, classes and upstreams in place without
+live page's history (`gateway/observability/history.py`, sampled once a second by a task of
+its own), `apply(config)` which swaps limits, timeouts, classes and upstreams in place without
 touching requests in flight, `drain()`, the first step of a graceful shutdown, and the
-watch of the config file (gateway/watch.py): a file changed on disk is reloaded like SIGHUP.
+watch of the config file (gateway/config/watch.py): a file changed on disk is reloaded like SIGHUP.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from kneegate.admission.demand import DemandEstimate
 from kneegate.admission.queue import AdmissionQueue
 from kneegate.admission.types import ClassPolicy
 from kneegate.controllers.base import engine_ttft_objective
-from kneegate.gateway.config import GatewayConfig, Prepare, parse_reload, read_admin_token
-from kneegate.gateway.config_upstream import UpstreamConfig
-from kneegate.gateway.config_yaml import read_config
+from kneegate.gateway.config.gateway import GatewayConfig, Prepare, parse_reload, read_admin_token
+from kneegate.gateway.config.read import read_config
+from kneegate.gateway.config.upstream import UpstreamConfig
+from kneegate.gateway.config.watch import ConfigWatcher
 from kneegate.gateway.endpoints import NO_ROUTE, admin_endpoints, own_endpoints
 from kneegate.gateway.errors import (
     ConfigError,
@@ -56,13 +58,12 @@ from kneegate.gateway.forwarding import (
     proxied_path,
 )
 from kneegate.gateway.gate import Gate
-from kneegate.gateway.history import History
-from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.observability.history import History
+from kneegate.gateway.observability.metrics import GatewayMetrics
 from kneegate.gateway.proxy import Proxy
 from kneegate.gateway.types import Clock, Receive, Scope, Send
-from kneegate.gateway.upstream_client import UpstreamClient
-from kneegate.gateway.upstreams import UpstreamPool
-from kneegate.gateway.watch import ConfigWatcher
+from kneegate.gateway.upstream.client import UpstreamClient
+from kneegate.gateway.upstream.pool import UpstreamPool
 
 __all__ = ["Gateway", "KneegateApp", "build_app"]
 
@@ -265,7 +266,7 @@ class Gateway:
         try:
             cfg, notes = self._reloaded(self.config_path)
             self.apply(cfg)  # reads the admin token file again: a rotated Secret is taken
-        except ConfigError as exc:  # its text never holds a secret (gateway/config.py)
+        except ConfigError as exc:  # its text never holds a secret (gateway/config/gateway.py)
             log.error("config reload rejected, keeping the old config: %s", exc)
             self.metrics.reloads.labels("error").inc()
             return False, str(exc)

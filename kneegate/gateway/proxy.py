@@ -9,7 +9,7 @@ One request, in order:
 2. `gate.acquire(class)`: a permit, or a Rejection answered as 429/503 with Retry-After;
 3. open the upstream request and relay every chunk as it arrives, through the `Tap` (no
    StreamingResponse, no re-encoding): written from the upstream socket's callback when the
-   server offers gateway/wire.py's body writer, else through ASGI `send`;
+   server offers gateway/http/wire.py's body writer, else through ASGI `send`;
 4. `finally`: finish the permit synchronously (the slot is free before anything else can
    happen), then close the upstream connection unless it ended cleanly, which is what makes
    the engine abort a request whose caller went away.
@@ -42,7 +42,7 @@ from functools import partial
 from kneegate.admission.types import TenantPolicy
 from kneegate.controllers.base import Outcome, Sample
 from kneegate.gateway.access import AccessLog
-from kneegate.gateway.config_upstream import public_url
+from kneegate.gateway.config.upstream import public_url
 from kneegate.gateway.errors import (
     BodyTooLarge,
     ContextTooLong,
@@ -69,19 +69,19 @@ from kneegate.gateway.forwarding import (
     small_body,
 )
 from kneegate.gateway.gate import Gate, Permit
+from kneegate.gateway.http.wire import EXTENSION as WIRE_EXTENSION
+from kneegate.gateway.http.wire import BodyWriter
 from kneegate.gateway.request_size import BadBody, RequestSize, over_context, read_request
 from kneegate.gateway.tap import Tap
 from kneegate.gateway.types import Clock, Receive, Scope, Send
-from kneegate.gateway.upstream_client import (
+from kneegate.gateway.upstream.client import (
     TRANSPORT_ERRORS,
     UpstreamClient,
     UpstreamResponse,
     upstream_error,
     upstream_errors,
 )
-from kneegate.gateway.upstreams import Upstream, UpstreamPool
-from kneegate.gateway.wire import EXTENSION as WIRE_EXTENSION
-from kneegate.gateway.wire import BodyWriter
+from kneegate.gateway.upstream.pool import Upstream, UpstreamPool
 
 __all__ = ["Exchange", "Proxy"]
 
@@ -418,7 +418,7 @@ class Proxy:
         ex.started = True
         if writer is not None and writer.ready():
             # Push: the upstream socket's callback writes each chunk to the client itself
-            # (gateway/wire.py); this task wakes only at the end, or to wait out the
+            # (gateway/http/wire.py); this task wakes only at the end, or to wait out the
             # client's back-pressure through `send` with the chunk the writer refused.
             def sink(data: bytes) -> bool:
                 if not writer.write(data):

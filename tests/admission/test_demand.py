@@ -20,7 +20,7 @@ from kneegate.admission.types import (
 )
 from kneegate.controllers.registry import build_controller
 from kneegate.gateway.app import Gateway
-from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.observability.metrics import GatewayMetrics
 
 LN2 = math.log(2.0)
 

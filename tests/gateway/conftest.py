@@ -1,6 +1,6 @@
 """Gateway tests run their async code on uvloop, the loop `kneegate serve` runs on.
 
-`relay` runs a test through both relays of kneegate's server (gateway/wire.py): the push
+`relay` runs a test through both relays of kneegate's server (gateway/http/wire.py): the push
 relay, and plain ASGI `send`, which the server falls back to when its probe finds uvicorn's
 request cycle changed (forced here: the probe is asked for an attribute no uvicorn has).
 With `KNEEGATE_WIRE_FALLBACK=1` in the environment the whole process runs on the fallback
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from kneegate.gateway import wire
-from kneegate.gateway.wire import FALLBACK_ENV, KneegateHttpProtocol
+from kneegate.gateway.http import wire
+from kneegate.gateway.http.wire import FALLBACK_ENV, KneegateHttpProtocol
 
 WARNING = "relaying through ASGI send instead"
 FALLBACK = os.environ.get(FALLBACK_ENV) == "1"  # the whole run is on the fallback
@@ -42,7 +42,7 @@ def relay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     yield request.param
     assert KneegateHttpProtocol.relay is (request.param == "push"), (
         f"asked for the {request.param} relay; on uvicorn {uvicorn.__version__} the probe "
-        "said otherwise (its warning names what gateway/wire.py reads and is not there)")
+        "said otherwise (its warning names what gateway/http/wire.py reads and is not there)")
     warned = [r for phase in ("setup", "call") for r in caplog.get_records(phase)
               if WARNING in r.getMessage()]
     assert len(warned) == (request.param == "send"), [r.getMessage() for r in warned]

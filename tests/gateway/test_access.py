@@ -9,7 +9,7 @@ import pytest
 from helpers.gateway import FakeEngine, assert_conserved
 from test_proxy import _rig
 
-from kneegate.gateway.config import load_config
+from kneegate.gateway.config.gateway import load_config
 from kneegate.gateway.forwarding import ProxySettings
 
 pytestmark = pytest.mark.anyio

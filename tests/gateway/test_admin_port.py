@@ -20,7 +20,7 @@ from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, ser
 from kneegate.cli import main as kneegate
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.errors import ConfigError
-from kneegate.gateway.server import admin_server, exposure_warning, running
+from kneegate.gateway.server.serving import admin_server, exposure_warning, running
 
 pytestmark = pytest.mark.anyio
 

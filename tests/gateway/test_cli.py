@@ -268,7 +268,7 @@ def test_version() -> None:
 
 def test_serve_help_shows_the_defaults_and_the_controllers() -> None:
     from kneegate.controllers.registry import CONTROLLERS
-    from kneegate.gateway.config import GatewayConfig
+    from kneegate.gateway.config.gateway import GatewayConfig
 
     out = run_cli("serve", "--help")
     assert out.returncode == 0

@@ -34,10 +34,10 @@ from prometheus_client import generate_latest
 from uvicorn.server import ServerState
 
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config_sections import LimitsConfig
-from kneegate.gateway.limits import ClientLimits
-from kneegate.gateway.server import QuietServer, running, uvicorn_config
-from kneegate.gateway.wire import FALLBACK_ENV, KneegateHttpProtocol, WireConfig
+from kneegate.gateway.config.sections import LimitsConfig
+from kneegate.gateway.http.limits import ClientLimits
+from kneegate.gateway.http.wire import FALLBACK_ENV, KneegateHttpProtocol, WireConfig
+from kneegate.gateway.server.serving import QuietServer, running, uvicorn_config
 
 pytestmark = pytest.mark.anyio
 

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from kneegate.cli import apply_flags, main
-from kneegate.gateway.config import GatewayConfig, load_config, parse_config, split_for_worker
+from kneegate.gateway.config.gateway import (
+    GatewayConfig,
+    load_config,
+    parse_config,
+    split_for_worker,
+)
 from kneegate.gateway.errors import ConfigError
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "kneegate.yaml"

@@ -19,10 +19,10 @@ from helpers.gateway import FakeEngine, assert_conserved, scrape, serve, total
 from kneegate.cli import _parser, apply_flags
 from kneegate.controllers.knee import KneeConfig
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import GatewayConfig, parse_config, split_for_worker
+from kneegate.gateway.config.gateway import GatewayConfig, parse_config, split_for_worker
 from kneegate.gateway.errors import ConfigError
-from kneegate.gateway.server import embedded_upstream
-from kneegate.gateway.upstreams import UpstreamPool
+from kneegate.gateway.server.serving import embedded_upstream
+from kneegate.gateway.upstream.pool import UpstreamPool
 
 pytestmark = pytest.mark.anyio
 

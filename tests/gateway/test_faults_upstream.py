@@ -23,7 +23,7 @@ from helpers.gateway import assert_conserved, gw_config, scrape, serve, total
 
 from kneegate.controllers.base import Sample
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import GatewayConfig
+from kneegate.gateway.config.gateway import GatewayConfig
 
 pytestmark = pytest.mark.anyio
 

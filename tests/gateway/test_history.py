@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry
 from test_proxy import _rig
 
 from kneegate.controllers.base import EngineStats
-from kneegate.gateway.history import History, quantile
-from kneegate.gateway.metrics import GatewayMetrics
-from kneegate.gateway.telemetry import Telemetry
+from kneegate.gateway.observability.history import History, quantile
+from kneegate.gateway.observability.metrics import GatewayMetrics
+from kneegate.gateway.upstream.telemetry import Telemetry
 
 pytestmark = pytest.mark.anyio
 

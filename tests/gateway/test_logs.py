@@ -28,7 +28,7 @@ from helpers.gateway import FakeEngine, gw_config, serve
 
 from kneegate.gateway.access import AccessLog
 from kneegate.gateway.app import build_app
-from kneegate.gateway.logs import JsonFormatter
+from kneegate.gateway.observability.logs import JsonFormatter
 from kneegate.gateway.request_size import read_request
 
 KEY = "sk-very-secret-key-0042"

@@ -1,4 +1,4 @@
-"""The metrics' hot-path children (gateway/metrics.py `_fast`): the same samples as
+"""The metrics' hot-path children (gateway/observability/metrics.py `_fast`): the same samples as
 prometheus_client's own `inc` and `observe`, or prometheus' own child when its inside is
 not what `_fast` was written against."""
 
@@ -10,7 +10,12 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kneegate.controllers.base import Outcome
-from kneegate.gateway.metrics import GatewayMetrics, _fast, _FastCounter, _FastHistogram
+from kneegate.gateway.observability.metrics import (
+    GatewayMetrics,
+    _fast,
+    _FastCounter,
+    _FastHistogram,
+)
 
 BOUNDS = (0.01, 0.05, 1.0)
 VALUES = (0.0, 0.01, 0.010001, 0.05, 0.3, 1.0, 7.0, math.inf, -1.0)

@@ -16,7 +16,7 @@ import pytest
 from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import GatewayConfig
+from kneegate.gateway.config.gateway import GatewayConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -344,7 +344,7 @@ async def test_reload_under_load_drops_nothing(tmp_path: Path) -> None:
     path = tmp_path / "kneegate.yaml"
     async with serve(engine) as up:
         _write(path, up, 2)
-        from kneegate.gateway.config import load_config
+        from kneegate.gateway.config.gateway import load_config
 
         app = build_app(load_config(path), config_path=str(path))
         async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:

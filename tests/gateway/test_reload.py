@@ -17,8 +17,8 @@ import pytest
 from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
 
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import load_config
-from kneegate.gateway.server import embedded_upstream
+from kneegate.gateway.config.gateway import load_config
+from kneegate.gateway.server.serving import embedded_upstream
 
 pytestmark = pytest.mark.anyio
 

@@ -32,7 +32,7 @@ from prometheus_client import generate_latest
 from test_cli import free_port, until_up
 
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.server import QuietServer, running, uvicorn_config
+from kneegate.gateway.server.serving import QuietServer, running, uvicorn_config
 
 pytestmark = pytest.mark.anyio
 

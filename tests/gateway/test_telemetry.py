@@ -3,7 +3,7 @@ from __future__ import annotations
 import math
 
 from kneegate.controllers.base import EngineStats
-from kneegate.gateway.telemetry import Progress, parse_engine_metrics
+from kneegate.gateway.upstream.telemetry import Progress, parse_engine_metrics
 
 CURRENT = """\
 # TYPE vllm:num_requests_running gauge

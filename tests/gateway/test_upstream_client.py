@@ -17,7 +17,7 @@ from kneegate.gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from kneegate.gateway.upstream_client import UpstreamClient
+from kneegate.gateway.upstream.client import UpstreamClient
 
 pytestmark = pytest.mark.anyio
 

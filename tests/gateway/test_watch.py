@@ -16,8 +16,8 @@ import pytest
 from helpers.gateway import FakeEngine, scrape, serve, total
 
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import load_config
-from kneegate.gateway.watch import ConfigWatcher, identify
+from kneegate.gateway.config.gateway import load_config
+from kneegate.gateway.config.watch import ConfigWatcher, identify
 
 POLL = 0.02
 

@@ -1,4 +1,4 @@
-"""The push relay (gateway/wire.py + UpstreamClient.pipe): order, back-pressure, fallback.
+"""The push relay (gateway/http/wire.py + UpstreamClient.pipe): order, back-pressure, fallback.
 
 Under kneegate's server the upstream socket's callback writes each chunk to the client;
 when the client's socket pushes back, the chunk goes through ASGI `send` instead (which
@@ -25,8 +25,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from kneegate.gateway.app import build_app
-from kneegate.gateway.upstream_client import UpstreamClient
-from kneegate.gateway.wire import BodyWriter, KneegateHttpProtocol, probe
+from kneegate.gateway.http.wire import BodyWriter, KneegateHttpProtocol, probe
+from kneegate.gateway.upstream.client import UpstreamClient
 
 pytestmark = pytest.mark.anyio
 

@@ -32,7 +32,7 @@ the gateway has seen `warm` completions, and while no upstream is usable.
 
 Clients refused before their request reaches admission (its head too large or too slow, its
 body too large or too slow, one connection too many, no API key the gateway knows: see
-gateway/wire.py and the proxy's 400s, 401 and 413) are counted in
+gateway/http/wire.py and the proxy's 400s, 401 and 413) are counted in
 `kneegate_client_rejections_total{reason}`, outside the identities above: such a request
 was never received.
 """
@@ -51,8 +51,8 @@ from prometheus_client.registry import Collector
 
 from kneegate.admission.demand import DemandEstimate
 from kneegate.controllers.base import Outcome
-from kneegate.gateway.telemetry import Telemetry
 from kneegate.gateway.types import Clock
+from kneegate.gateway.upstream.telemetry import Telemetry
 
 try:  # the single-process value class the fast children write to (prometheus_client 0.2x)
     from prometheus_client.values import MutexValue

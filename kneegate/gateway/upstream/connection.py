@@ -1,6 +1,6 @@
 """One connection to an engine (an asyncio protocol parsing with httptools) and its response.
 
-`UpstreamClient` (gateway/upstream_client.py) opens these, pools them and hands the caller
+`UpstreamClient` (gateway/upstream/client.py) opens these, pools them and hands the caller
 an `UpstreamResponse`; a connection parses one response at a time and hands over whatever
 body bytes are buffered as one chunk (`read`), or pushes them to a sink from the socket's
 callback (`pipe`).

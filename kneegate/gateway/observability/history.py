@@ -31,7 +31,7 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from kneegate.gateway.metrics import GatewayMetrics, LiveUpstream
+from kneegate.gateway.observability.metrics import GatewayMetrics, LiveUpstream
 
 __all__ = ["History", "quantile"]
 

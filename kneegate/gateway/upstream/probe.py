@@ -2,7 +2,7 @@
 
 The tick starts them (`UpstreamPool.background`, and `first_contact` at start-up), one at
 a time per upstream (`Upstream.busy`); each reads its answer and hands the verdict to the
-pool, which owns the upstream's state (gateway/upstreams.py says what the states mean).
+pool, which owns the upstream's state (gateway/upstream/pool.py says what the states mean).
 
 A probe answers in `PROBE_TIMEOUT` or is a failure: a 2xx is healthy
 (`UpstreamPool.probed`), anything else backs off (and says why, for the start-up log).
@@ -22,11 +22,11 @@ import json
 from typing import TYPE_CHECKING
 
 from kneegate.gateway.errors import UpstreamError, UpstreamTimeout
-from kneegate.gateway.telemetry import parse_engine_metrics
+from kneegate.gateway.upstream.telemetry import parse_engine_metrics
 
 if TYPE_CHECKING:  # the pool imports this module: no import back at run time
-    from kneegate.gateway.upstream_client import UpstreamClient
-    from kneegate.gateway.upstreams import Upstream, UpstreamPool
+    from kneegate.gateway.upstream.client import UpstreamClient
+    from kneegate.gateway.upstream.pool import Upstream, UpstreamPool
 
 __all__ = ["PROBE_TIMEOUT", "probe", "read_models", "scrape"]
 

@@ -22,9 +22,9 @@ write to the socket instead of two: one syscall less per short request (issue 16
 `BodyWriter.on_disconnect` is called when the client's connection is lost mid-response,
 so the proxy needs no task parked on `receive()` to notice.
 
-The client limits (gateway/limits.py: what they bound and how a refusal is answered) are
+The client limits (gateway/http/limits.py: what they bound and how a refusal is answered) are
 enforced here, in the protocol's callbacks. HTTP/1.0 clients get a request cycle of their
-own (gateway/http10.py).
+own (gateway/http/http10.py).
 
 What it needs of uvicorn. The body writer and the HTTP/1.0 cycle read attributes of
 uvicorn's RequestResponseCycle, which is not a public API (`CYCLE_NEEDS`). The first cycle
@@ -57,9 +57,9 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from kneegate.gateway.config_sections import LimitsConfig
-from kneegate.gateway.http10 import CloseDelimitedCycle
-from kneegate.gateway.limits import ClientLimits
+from kneegate.gateway.config.sections import LimitsConfig
+from kneegate.gateway.http.http10 import CloseDelimitedCycle
+from kneegate.gateway.http.limits import ClientLimits
 
 __all__ = [
     "CYCLE_NEEDS", "EXTENSION", "FALLBACK_ENV", "BodyWriter", "KneegateHttpProtocol",

@@ -9,7 +9,7 @@ with `python -m kneegate.benchmarks.overhead --shapes realistic --concurrency 10
 profiling showed about a third of the time in aiohttp's per-chunk stream machinery. What
 a relay needs is small: write one request, parse the response with httptools' C parser,
 hand over whatever body bytes are buffered as one chunk, keep connections alive. That is
-this module (the pool and the requests) and gateway/upstream_conn.py (the connection and
+this module (the pool and the requests) and gateway/upstream/connection.py (the connection and
 its response), the only modules that know it: the rest of the gateway sees
 `UpstreamClient.open()` -> `UpstreamResponse` and the errors of `gateway.errors`.
 
@@ -33,14 +33,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from kneegate.gateway.config_upstream import basic_auth, public_url
+from kneegate.gateway.config.upstream import basic_auth, public_url
 from kneegate.gateway.errors import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
     UpstreamTimeout,
 )
-from kneegate.gateway.upstream_conn import Origin, UpstreamConnection, UpstreamResponse
+from kneegate.gateway.upstream.connection import Origin, UpstreamConnection, UpstreamResponse
 
 __all__ = ["TRANSPORT_ERRORS", "UpstreamClient", "UpstreamResponse", "upstream_error",
            "upstream_errors"]

@@ -1,4 +1,4 @@
-"""The live page: static HTML, CSS and JavaScript shipped in the package (gateway/static/).
+"""The live page: static HTML, CSS and JavaScript shipped in the package (static/ beside it).
 
     GET /kneegate/            index.html
     GET /kneegate/live.js     the page's script: draws from /kneegate/status and /kneegate/history
@@ -50,6 +50,6 @@ def _endpoint(body: bytes, media_type: str) -> Endpoint:
 
 def live_page_routes() -> list[BaseRoute]:
     """One route per file of the page, its bytes read now."""
-    static = files("kneegate.gateway") / "static"
+    static = files("kneegate.gateway.observability") / "static"
     return [Route(path, _endpoint(static.joinpath(name).read_bytes(), media))
             for path, (name, media) in _FILES.items()]

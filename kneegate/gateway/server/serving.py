@@ -53,12 +53,12 @@ from typing import Any
 import uvicorn
 
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import GatewayConfig, Prepare, split_for_worker
-from kneegate.gateway.config_sections import LimitsConfig
+from kneegate.gateway.config.gateway import GatewayConfig, Prepare, split_for_worker
+from kneegate.gateway.config.sections import LimitsConfig
 from kneegate.gateway.errors import CannotListen
-from kneegate.gateway.limits import ClientLimits
-from kneegate.gateway.logs import EMBEDDED
-from kneegate.gateway.wire import KneegateHttpProtocol, WireConfig
+from kneegate.gateway.http.limits import ClientLimits
+from kneegate.gateway.http.wire import KneegateHttpProtocol, WireConfig
+from kneegate.gateway.observability.logs import EMBEDDED
 
 __all__ = [
     "GatewayServer", "QuietServer", "admin_server", "bind", "embedded_upstream",
@@ -85,7 +85,7 @@ def uvicorn_config(
     """The uvicorn settings the gateway runs with (tests use the same).
 
     `http`: uvicorn's httptools protocol plus the body writer and client limits of
-    gateway/wire.py; tests pass "httptools" to run the app the way any other ASGI server
+    gateway/http/wire.py; tests pass "httptools" to run the app the way any other ASGI server
     would. `limits`: default the gateway app's own `config.limits` (its rejections are
     counted in its metrics), else the defaults (the emulator). Read once, at start-up.
     """
@@ -99,9 +99,10 @@ def uvicorn_config(
         loop="uvloop",
         http=http,
         lifespan="on",
-        ws="none",  # never a WebSocket: an Upgrade request is refused (gateway/limits.py)
+        ws="none",  # never a WebSocket: an Upgrade request is refused (gateway/http/limits.py)
         access_log=False,  # ours is written by the proxy (gateway/access.py), with its outcome
-        log_config=None,  # no handler of uvicorn's own: its records go to ours (gateway/logs.py)
+        # no handler of uvicorn's own: its records go to ours (gateway/observability/logs.py)
+        log_config=None,
         proxy_headers=False,  # we are the proxy: the peer's address is the client's
         server_header=False,  # the upstream's own Server and Date headers pass through
         date_header=False,
@@ -236,7 +237,7 @@ def embedded_upstream(port: int) -> Callable[[GatewayConfig], GatewayConfig]:
     """`prepare` step: point a config without upstreams at the embedded emulator. It runs
     the default controller (`knee`) and is scraped from the start: it is known to serve
     vLLM's series, so there is nothing to detect."""
-    from kneegate.gateway.config_upstream import UpstreamConfig
+    from kneegate.gateway.config.upstream import UpstreamConfig
 
     def fill(cfg: GatewayConfig) -> GatewayConfig:
         if cfg.upstreams:
@@ -302,7 +303,7 @@ async def _serve_worker(
 
 async def _embedded(serve: Awaitable[None]) -> None:
     # the emulator's uvicorn logs through the same loggers as the gateway's: marked, so its
-    # info lines ("Started server process" again) are dropped (gateway/logs.py)
+    # info lines ("Started server process" again) are dropped (gateway/observability/logs.py)
     EMBEDDED.set(True)
     await serve
 

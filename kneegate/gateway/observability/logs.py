@@ -3,7 +3,7 @@
     configure("text")   # 2026-12-01 10:00:00,000 INFO Started server process [42]
     configure("json")   # {"time": "2026-12-01T10:00:00.000Z", "level": "INFO", ...}
 
-uvicorn is started with `log_config=None` (gateway/server.py), so it installs no handler of
+uvicorn is started with `log_config=None` (gateway/server/serving.py), so it installs no handler of
 its own: its records propagate to the root handler set here and come out in the same
 format, once. A record that carries `fields` (the access log, gateway/access.py) has them
 as keys of its JSON object, and its `event` as the message.

@@ -37,7 +37,7 @@ does it ("lingering close"): the answer is flushed with a FIN, and what the clie
 sends is read and dropped for a few seconds; a plain close with unread input would make
 the kernel send a reset that can destroy the answer before the client reads it.
 
-They are enforced by `KneegateHttpProtocol` (gateway/wire.py); `ClientLimits` holds the
+They are enforced by `KneegateHttpProtocol` (gateway/http/wire.py); `ClientLimits` holds the
 numbers, the answers (prepared once) and the count and log line of each refusal.
 """
 
@@ -47,7 +47,7 @@ import logging
 from collections.abc import Callable
 from http import HTTPStatus
 
-from kneegate.gateway.config_sections import LimitsConfig
+from kneegate.gateway.config.sections import LimitsConfig
 from kneegate.gateway.errors import (
     ClientConnectionLimit,
     HeadersTooLarge,

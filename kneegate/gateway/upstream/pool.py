@@ -47,7 +47,7 @@ scraped, or not yet (detecting), is left to the first-byte and idle timeouts.
 Telemetry: a healthy scraped upstream's /metrics is read every `scrape_interval`; a scrape
 that does not answer within `stale_after` (default 3 intervals) is abandoned, and good
 figures go to the controller (`on_engine_stats`). The probes and scrapes themselves, the
-pool's only I/O, are gateway/probe.py's; this module keeps the state they report to.
+pool's only I/O, are gateway/upstream/probe.py's; this module keeps the state they report to.
 
 Models: a healthy upstream's `/v1/models` is read at first contact and again after it
 failed (a replaced engine may serve others), with the probes' back-off while it does not
@@ -71,11 +71,11 @@ from typing import Any
 from kneegate.admission.types import UpstreamState
 from kneegate.controllers.base import EngineStats, LimitController
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.config_upstream import UpstreamConfig, public_url
-from kneegate.gateway.probe import probe, scrape
-from kneegate.gateway.telemetry import Progress, Telemetry
+from kneegate.gateway.config.upstream import UpstreamConfig, public_url
 from kneegate.gateway.types import Clock
-from kneegate.gateway.upstream_client import UpstreamClient
+from kneegate.gateway.upstream.client import UpstreamClient
+from kneegate.gateway.upstream.probe import probe, scrape
+from kneegate.gateway.upstream.telemetry import Progress, Telemetry
 
 __all__ = ["Upstream", "UpstreamPool"]
 

@@ -34,7 +34,8 @@ from typing import Any
 from pydantic import Field, ValidationError, model_validator
 
 from kneegate.controllers.registry import CONTROLLERS
-from kneegate.gateway.config_sections import (
+from kneegate.gateway.config.read import read_config
+from kneegate.gateway.config.sections import (
     ClassConfig,
     Frozen,
     LimitsConfig,
@@ -42,8 +43,7 @@ from kneegate.gateway.config_sections import (
     ServerConfig,
     TenantConfig,
 )
-from kneegate.gateway.config_upstream import TimeoutConfig, UpstreamConfig, shown_url
-from kneegate.gateway.config_yaml import read_config
+from kneegate.gateway.config.upstream import TimeoutConfig, UpstreamConfig, shown_url
 from kneegate.gateway.errors import ConfigError
 
 __all__ = [

@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from kneegate.controllers.registry import CONTROLLERS
-from kneegate.gateway.config_sections import Frozen
+from kneegate.gateway.config.sections import Frozen
 
 __all__ = ["TimeoutConfig", "UpstreamConfig", "basic_auth", "public_url", "shown_url"]
 
