@@ -36,7 +36,7 @@ from kneegate.gateway.errors import HTTPError, MethodNotAllowed, NotFound, Unaut
 from kneegate.gateway.observability.livepage import live_page_routes
 
 if TYPE_CHECKING:
-    from kneegate.gateway.app import Gateway
+    from kneegate.gateway.runtime import Gateway
 
 __all__ = ["NO_ROUTE", "admin_endpoints", "own_endpoints"]
 

@@ -43,7 +43,7 @@ from kneegate.gateway.errors import (
 )
 from kneegate.gateway.observability.metrics import GatewayMetrics
 from kneegate.gateway.types import Clock
-from kneegate.gateway.upstream.pool import Upstream
+from kneegate.gateway.upstream.state import Upstream
 
 __all__ = ["Gate", "Permit"]
 

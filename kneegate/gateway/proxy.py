@@ -81,7 +81,8 @@ from kneegate.gateway.upstream.client import (
     upstream_error,
     upstream_errors,
 )
-from kneegate.gateway.upstream.pool import Upstream, UpstreamPool
+from kneegate.gateway.upstream.pool import UpstreamPool
+from kneegate.gateway.upstream.state import Upstream
 
 __all__ = ["Exchange", "Proxy"]
 

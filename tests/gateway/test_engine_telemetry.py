@@ -21,11 +21,13 @@ from prometheus_client import CollectorRegistry
 
 from kneegate.controllers.base import EngineStats
 from kneegate.controllers.knee import Knee
-from kneegate.gateway.app import Gateway, KneegateApp, build_app
+from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config.gateway import parse_config
 from kneegate.gateway.errors import ConfigError
 from kneegate.gateway.observability.metrics import GatewayMetrics
-from kneegate.gateway.upstream.pool import Upstream, UpstreamPool
+from kneegate.gateway.runtime import Gateway
+from kneegate.gateway.upstream.pool import UpstreamPool
+from kneegate.gateway.upstream.state import Upstream
 
 
 class FakeClock:

@@ -15,7 +15,7 @@ from kneegate.controllers.registry import build_controller
 from kneegate.gateway.errors import QueueFull, QueueTimeout
 from kneegate.gateway.gate import Gate, Permit
 from kneegate.gateway.observability.metrics import GatewayMetrics
-from kneegate.gateway.upstream.pool import Upstream
+from kneegate.gateway.upstream.state import Upstream
 
 pytestmark = pytest.mark.anyio
 

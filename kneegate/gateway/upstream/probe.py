@@ -19,21 +19,43 @@ engine rendered them somewhere between asking and answering), go to
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from kneegate.controllers.base import EngineStats
+from kneegate.gateway.config.upstream import UpstreamConfig
 from kneegate.gateway.errors import UpstreamError, UpstreamTimeout
+from kneegate.gateway.types import Clock
+from kneegate.gateway.upstream.client import UpstreamClient
+from kneegate.gateway.upstream.state import Upstream
 from kneegate.gateway.upstream.telemetry import parse_engine_metrics
 
-if TYPE_CHECKING:  # the pool imports this module: no import back at run time
-    from kneegate.gateway.upstream.client import UpstreamClient
-    from kneegate.gateway.upstream.pool import Upstream, UpstreamPool
-
-__all__ = ["PROBE_TIMEOUT", "probe", "read_models", "scrape"]
+__all__ = ["PROBE_TIMEOUT", "Verdicts", "probe", "read_models", "scrape"]
 
 PROBE_TIMEOUT = 2.0
 
 
-async def probe(pool: UpstreamPool, client: UpstreamClient, up: Upstream, now: float) -> None:
+class Verdicts(Protocol):
+    """What a probe or a scrape reports to: `UpstreamPool`, which imports this module
+    (so this one names the pool by what it takes, never by import)."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    def probed(self, up: Upstream, ok: bool, now: float,
+               models: dict[str, int | None] | None = None, why: str = "") -> None: ...
+
+    def scrape_answered(self, up: Upstream, answered: bool) -> None: ...
+
+    def count_scrape(self, upstream: str, outcome: str) -> None: ...
+
+    def detected(self, up: Upstream, cfg: UpstreamConfig) -> None: ...
+
+    def not_vllm(self, up: Upstream, url: str, status: int) -> None: ...
+
+    def note_engine(self, up: Upstream, stats: EngineStats, now: float) -> None: ...
+
+
+async def probe(pool: Verdicts, client: UpstreamClient, up: Upstream, now: float) -> None:
     """Ask `up`'s `health_path` once, then, healthy and its models unknown, `/v1/models`;
     the pool takes the verdicts."""
     assert up.config is not None
@@ -72,7 +94,7 @@ async def read_models(client: UpstreamClient, url: str) -> dict[str, int | None]
             for c in cards}
 
 
-async def scrape(pool: UpstreamPool, client: UpstreamClient, up: Upstream, started: float
+async def scrape(pool: Verdicts, client: UpstreamClient, up: Upstream, started: float
                  ) -> None:
     """Read `up`'s /metrics once; count it and tell the pool whether it answered."""
     try:
@@ -84,7 +106,7 @@ async def scrape(pool: UpstreamPool, client: UpstreamClient, up: Upstream, start
         pool.count_scrape(up.name, outcome)
 
 
-async def _fetch(pool: UpstreamPool, client: UpstreamClient, up: Upstream, started: float
+async def _fetch(pool: Verdicts, client: UpstreamClient, up: Upstream, started: float
                  ) -> str | None:
     """One scrape's outcome; None when it was a detection that found no vLLM series
     (or that a reload overtook): not a scrape."""
