@@ -110,7 +110,7 @@ def _load(args: argparse.Namespace) -> GatewayConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kneegate.embedded import emulator_app
-    from kneegate.gateway.server.serving import run
+    from kneegate.gateway.server.workers import run
 
     cfg = _load(args)
     read_admin_token(cfg, args.config or "command line")  # an unreadable token file stops here

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from kneegate.gateway.http import wire
-from kneegate.gateway.http.wire import FALLBACK_ENV, KneegateHttpProtocol
+from kneegate.gateway.http import body_writer
+from kneegate.gateway.http.body_writer import FALLBACK_ENV
+from kneegate.gateway.http.wire import KneegateHttpProtocol
 
 WARNING = "relaying through ASGI send instead"
 FALLBACK = os.environ.get(FALLBACK_ENV) == "1"  # the whole run is on the fallback
@@ -37,12 +38,13 @@ def relay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
         pytest.skip(f"{FALLBACK_ENV}=1: the push relay is off in this run")
     monkeypatch.setattr(KneegateHttpProtocol, "relay", None)
     if request.param == "send":
-        needs = (*wire.CYCLE_NEEDS, ("renamed_by_a_newer_uvicorn", bool))
-        monkeypatch.setattr(wire, "CYCLE_NEEDS", needs)
+        needs = (*body_writer.CYCLE_NEEDS, ("renamed_by_a_newer_uvicorn", bool))
+        monkeypatch.setattr(body_writer, "CYCLE_NEEDS", needs)
     yield request.param
     assert KneegateHttpProtocol.relay is (request.param == "push"), (
         f"asked for the {request.param} relay; on uvicorn {uvicorn.__version__} the probe "
-        "said otherwise (its warning names what gateway/http/wire.py reads and is not there)")
+        "said otherwise (its warning names what gateway/http/body_writer.py reads and is not "
+        "there)")
     warned = [r for phase in ("setup", "call") for r in caplog.get_records(phase)
               if WARNING in r.getMessage()]
     assert len(warned) == (request.param == "send"), [r.getMessage() for r in warned]

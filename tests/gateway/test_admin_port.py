@@ -20,7 +20,8 @@ from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, ser
 from kneegate.cli import main as kneegate
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.errors import ConfigError
-from kneegate.gateway.server.serving import admin_server, exposure_warning, running
+from kneegate.gateway.server.serving import admin_server, running
+from kneegate.gateway.server.workers import exposure_warning
 
 pytestmark = pytest.mark.anyio
 

@@ -35,8 +35,9 @@ from uvicorn.server import ServerState
 
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config.sections import LimitsConfig
+from kneegate.gateway.http.body_writer import FALLBACK_ENV
 from kneegate.gateway.http.limits import ClientLimits
-from kneegate.gateway.http.wire import FALLBACK_ENV, KneegateHttpProtocol, WireConfig
+from kneegate.gateway.http.wire import KneegateHttpProtocol, WireConfig
 from kneegate.gateway.server.serving import QuietServer, running, uvicorn_config
 
 pytestmark = pytest.mark.anyio

@@ -21,7 +21,7 @@ from kneegate.controllers.knee import KneeConfig
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config.gateway import GatewayConfig, parse_config, split_for_worker
 from kneegate.gateway.errors import ConfigError
-from kneegate.gateway.server.serving import embedded_upstream
+from kneegate.gateway.server.workers import embedded_upstream
 from kneegate.gateway.upstream.pool import UpstreamPool
 
 pytestmark = pytest.mark.anyio

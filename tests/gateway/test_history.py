@@ -32,7 +32,7 @@ TOKEN = {"authorization": "Bearer s3cret"}
 
 @dataclass
 class Up:
-    """What the history reads of an upstream (gateway.metrics.LiveUpstream)."""
+    """What the history reads of an upstream (gateway.observability.gauges.LiveUpstream)."""
 
     name: str = "e0"
     inflight: int = 5

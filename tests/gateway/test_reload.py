@@ -18,7 +18,7 @@ from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, ser
 
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config.gateway import load_config
-from kneegate.gateway.server.serving import embedded_upstream
+from kneegate.gateway.server.workers import embedded_upstream
 
 pytestmark = pytest.mark.anyio
 

@@ -25,7 +25,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from kneegate.gateway.app import build_app
-from kneegate.gateway.http.wire import BodyWriter, KneegateHttpProtocol, probe
+from kneegate.gateway.http.body_writer import BodyWriter, probe
+from kneegate.gateway.http.wire import KneegateHttpProtocol
 from kneegate.gateway.upstream.client import UpstreamClient
 
 pytestmark = pytest.mark.anyio

@@ -3,7 +3,7 @@
 HTTP/1.0 clients cannot read chunked bodies: a response without Content-Length goes to
 them close-delimited (raw bytes, the end of the body is the end of the connection).
 `KneegateHttpProtocol` (gateway/http/wire.py) gives an HTTP/1.0 request this cycle, when the
-probe of uvicorn's request cycle found what it reads (`wire.CYCLE_NEEDS`).
+probe of uvicorn's request cycle found what it reads (`body_writer.CYCLE_NEEDS`).
 """
 
 from __future__ import annotations

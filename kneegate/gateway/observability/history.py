@@ -31,7 +31,8 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from kneegate.gateway.observability.metrics import GatewayMetrics, LiveUpstream
+from kneegate.gateway.observability.gauges import LiveUpstream
+from kneegate.gateway.observability.metrics import GatewayMetrics
 
 __all__ = ["History", "quantile"]
 
