@@ -295,7 +295,7 @@ def _plain(value: object) -> bool:
 def _fast(child: Any) -> Any:
     """`child` with a cheaper `inc` / `observe` writing the same values, or `child` itself
     when its inside is not what this was written against (prometheus_client 0.2x;
-    tests/gateway/test_metrics.py pins both to the same samples).
+    tests/gateway/observability/test_metrics.py pins both to the same samples).
 
     Why no lock: every `kneegate_*` counter and histogram moves on the event loop's thread
     only (the hot path, the tick, the scrapes), and the lock's `with` costs more than the

@@ -16,7 +16,7 @@ from kneegate.gateway.config.gateway import (
 )
 from kneegate.gateway.errors import ConfigError
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "kneegate.yaml"
+EXAMPLE = Path(__file__).parents[3] / "examples" / "kneegate.yaml"
 
 
 def _field(data: object) -> tuple[str, str]:

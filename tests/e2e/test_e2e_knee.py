@@ -9,7 +9,7 @@ token now takes 4x as long, the TPOT objective breaks and the limit must come do
 Objectives are set so that there is room on both sides: before the slowdown TPOT is ~50 ms
 at 24 clients (objective 100 ms); after it, ~200 ms. Every wait is a condition polled on
 /kneegate/status inside `anyio.fail_after`; the client loop is bounded in requests and in
-time. About 15 s of wall time: the slow tier (`pytest -m slow tests/gateway/test_e2e_knee.py`).
+time. About 15 s of wall time: the slow tier (`pytest -m slow tests/e2e/test_e2e_knee.py`).
 """
 
 from __future__ import annotations

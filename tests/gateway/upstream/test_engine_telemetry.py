@@ -65,7 +65,7 @@ def test_explicit_metrics_url_is_kept_and_scraped() -> None:
 
 
 def test_scrape_false_turns_scraping_off() -> None:
-    # unset is detected (tests/gateway/test_defaults.py); false wins even over metrics_url
+    # unset is detected (tests/e2e/test_defaults.py); false wins even over metrics_url
     assert parse_config({"upstreams": [upstream_cfg(scrape=False)]}).upstreams[0].scrape_url is None
     off = upstream_cfg(scrape=False, metrics_url="http://h:1/metrics")
     assert parse_config({"upstreams": [off]}).upstreams[0].scrape_url is None

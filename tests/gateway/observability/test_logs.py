@@ -33,7 +33,7 @@ from kneegate.gateway.request_size import read_request
 
 KEY = "sk-very-secret-key-0042"
 PROMPT = "the user's private prompt text"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
