@@ -8,7 +8,7 @@ which is what `kneegate check-config` prints and what a failed reload logs.
 An empty `upstreams` list means "no engine configured": `kneegate serve` then starts the
 built-in emulator on a loopback port and fills in one upstream pointing at it.
 
-A file is refused before validation when it cannot be a config (`gateway.config_yaml`:
+A file is refused before validation when it cannot be a config (`gateway.config.read`:
 too large, not UTF-8, empty, broken or too deep YAML). Secrets are never echoed:
 validation errors never show an API key or the admin token.
 
@@ -18,8 +18,8 @@ them takes `admin_token: null`, `api_keys: {}`, `require_api_key: false`), so a
 half-written file cannot open the admin endpoints or the engines. `read_admin_token` gives
 the token itself, from the file when it is in a Secret.
 
-The file's sections are modelled in `gateway.config_upstream` (`upstreams`, `timeouts`)
-and `gateway.config_sections` (`classes`, `limits`, `server`, `scale`); `GatewayConfig`,
+The file's sections are modelled in `gateway.config.upstream` (`upstreams`, `timeouts`)
+and `gateway.config.sections` (`classes`, `limits`, `server`, `scale`); `GatewayConfig`,
 the whole file, is here.
 """
 

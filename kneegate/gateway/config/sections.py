@@ -1,6 +1,6 @@
 """The config file's small sections, one frozen model each: `classes.<name>`, `limits`,
 `server`, `scale`, and the base every config model shares (`Frozen`: immutable, unknown keys
-refused). The engines' sections are in `gateway.config_upstream`; the whole file,
+refused). The engines' sections are in `gateway.config.upstream`; the whole file,
 `GatewayConfig`, and how it is read and validated are in `gateway.config`.
 """
 

@@ -17,7 +17,7 @@ There is no connection cap (admission is the only cap) and only `connect` is tim
 first-byte and idle deadlines are checked by the proxy's sweeper at tick granularity, so a
 chunk costs no timer. A request that fails on a reused keep-alive connection before any
 byte of response arrived is retried once on a new connection (the engine closed it idle).
-What a peer sends is never trusted to line up with what was asked: see upstream_conn.py.
+What a peer sends is never trusted to line up with what was asked: see connection.py.
 
 Errors name the upstream's URL and the transport's own words for the log; clients see only
 their generic `reason` (`UpstreamError.public`).

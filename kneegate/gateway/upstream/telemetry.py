@@ -12,7 +12,7 @@ any other labels (one vLLM process may serve several engine cores):
     KV capacity   vllm:cache_config_info{num_gpu_blocks, block_size}: blocks x block size, in
                   tokens (an info gauge whose labels carry the engine's CacheConfig)
 
-`gateway.upstreams` scrapes each upstream every `scrape_interval` (1 s by default: the `knee`
+`gateway.upstream.pool` scrapes each upstream every `scrape_interval` (1 s by default: the `knee`
 controller was tuned in the simulator on 1 s scrapes arriving 1.5 s late) and feeds the
 figures to its controller unless they are older than `stale_after`; with `scrape` unset, only
 once its /metrics has shown vLLM series, and never with `scrape: false`.
