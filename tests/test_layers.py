@@ -38,6 +38,16 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _from(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute name of what `from … import` imports from, in `module`."""
+    base = node.module or ""
+    if node.level:
+        here = module.split(".") if is_package else module.split(".")[:-1]
+        here = here[: len(here) - (node.level - 1)]
+        base = ".".join([*here, base] if base else here)
+    return base
+
+
 def _imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
     """(line, dotted name) of everything a module imports."""
     found = []
@@ -45,11 +55,7 @@ def _imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, s
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                here = module.split(".") if is_package else module.split(".")[:-1]
-                here = here[: len(here) - (node.level - 1)]
-                base = ".".join([*here, base] if base else here)
+            base = _from(node, module, is_package)
             if _floor(base) is not None:
                 found.append((node.lineno, base))
             else:  # `from kneegate import gateway` imports kneegate.gateway
@@ -147,7 +153,6 @@ MAX_LINES = 400
 OVER_MAX = {
     "kneegate/admission/fairness.py",
     "kneegate/admission/queue.py",
-    "kneegate/benchmarks/calibrate_vllm.py",
     "kneegate/benchmarks/overload.py",
     "kneegate/benchmarks/simulate.py",
     "kneegate/controllers/knee/curve.py",
@@ -167,11 +172,7 @@ def module_graph(root: Path) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    here = module.split(".") if is_package else module.split(".")[:-1]
-                    here = here[: len(here) - (node.level - 1)]
-                    base = ".".join([*here, base] if base else here)
+                base = _from(node, module, is_package)
                 names = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base
                          for a in node.names]
             else:
