@@ -60,6 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def anyio_backend() -> str:
-    """Async tests run on asyncio, as kneegate does (tests/gateway picks uvloop's loop).
-    anyio would also run them on trio when it is installed (selenium brings it)."""
+    """Async tests run on asyncio, as kneegate does (tests/gateway and tests/e2e pick
+    uvloop's loop). anyio would also run them on trio when it is installed (selenium brings
+    it)."""
     return "asyncio"

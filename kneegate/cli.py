@@ -25,15 +25,15 @@ from typing import Any
 
 from kneegate.controllers.knee import KneeConfig
 from kneegate.controllers.registry import CONTROLLERS
-from kneegate.gateway.config import (
+from kneegate.gateway.config.gateway import (
     GatewayConfig,
     load_config,
     parse_config,
     read_admin_token,
 )
-from kneegate.gateway.config_upstream import public_url
+from kneegate.gateway.config.upstream import public_url
 from kneegate.gateway.errors import CannotListen, ConfigError
-from kneegate.gateway.logs import configure as configure_logging
+from kneegate.gateway.observability.logs import configure as configure_logging
 
 __all__ = ["BENCH_MODULES", "apply_flags", "main", "missing_extra", "version"]
 
@@ -110,7 +110,7 @@ def _load(args: argparse.Namespace) -> GatewayConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kneegate.embedded import emulator_app
-    from kneegate.gateway.server import run
+    from kneegate.gateway.server.workers import run
 
     cfg = _load(args)
     read_admin_token(cfg, args.config or "command line")  # an unreadable token file stops here

@@ -4,6 +4,11 @@ Read from the source with `ast`, nothing imported: every `import`, `from … imp
 top of a module or inside a function, relative or absolute) and every
 `importlib.import_module("…")` with a literal name, in every module under kneegate/. A
 module may import its own floor and the floors below it, never one above.
+
+Inside the gateway, its wings (config/, http/, upstream/, observability/, server/) point only
+the way `WINGS` draws them; no module imports one that imports it back, however far round
+and however lazily (in a function, under TYPE_CHECKING); and no module grows past
+`MAX_LINES`.
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _from(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute name of what `from … import` imports from, in `module`."""
+    base = node.module or ""
+    if node.level:
+        here = module.split(".") if is_package else module.split(".")[:-1]
+        here = here[: len(here) - (node.level - 1)]
+        base = ".".join([*here, base] if base else here)
+    return base
+
+
 def _imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
     """(line, dotted name) of everything a module imports."""
     found = []
@@ -40,11 +55,7 @@ def _imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, s
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                here = module.split(".") if is_package else module.split(".")[:-1]
-                here = here[: len(here) - (node.level - 1)]
-                base = ".".join([*here, base] if base else here)
+            base = _from(node, module, is_package)
             if _floor(base) is not None:
                 found.append((node.lineno, base))
             else:  # `from kneegate import gateway` imports kneegate.gateway
@@ -119,3 +130,170 @@ def test_the_check_sees_an_import_up_a_floor(tmp_path: Path) -> None:
 def test_each_floor_is_a_real_folder(floor: str) -> None:
     folder = PACKAGE / floor
     assert folder.is_dir() and not folder.is_symlink() and (folder / "__init__.py").exists()
+
+
+# --- inside the gateway: the wings, no cycles, no module over MAX_LINES ---------------------
+
+# the gateway's parts: a module's wing is its folder under gateway/ (errors and types are the
+# base every part may import; the other modules at gateway/'s top are the centre)
+WINGS = {
+    "base": set(),  # errors, types
+    "config": {"base"},  # the YAML file's models, reading and watching it
+    "http": {"base", "config"},  # the client-facing protocol: wire, limits, body writer
+    "upstream": {"base", "config"},  # the client to engines, the pool, probes, telemetry
+    "observability": {"base", "config", "upstream"},  # metrics, history, live page, logs
+    "centre": {"base", "config", "http", "upstream", "observability"},  # app, proxy, gate…
+    "server": {"base", "config", "http", "upstream", "observability", "centre"},  # the top
+}
+BASE = {"errors", "types"}
+
+MAX_LINES = 400
+# modules over MAX_LINES, each to be split by responsibility by those who own it; the list
+# only shrinks (a module that falls under the bar must leave it)
+OVER_MAX = {
+    "kneegate/admission/fairness.py",
+    "kneegate/admission/queue.py",
+    "kneegate/benchmarks/overload.py",
+    "kneegate/benchmarks/simulate.py",
+    "kneegate/controllers/knee/curve.py",
+    "kneegate/controllers/knee/policy.py",
+}
+
+
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the modules of the package it imports (at the top, in a function or under
+    TYPE_CHECKING alike): `from a.b import c` names a.b.c when that is a module, else a.b."""
+    paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        is_package = path.name == "__init__.py"
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _from(node, module, is_package)
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base
+                         for a in node.names]
+            else:
+                continue
+            edges.update(n for n in names if n in paths and n != module)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph`: each strongly connected part of more than one module
+    (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["kneegate", "gateway"] or len(parts) < 3:
+        return None
+    if len(parts) > 3 or parts[2] in WINGS:  # a folder of gateway/
+        return parts[2]
+    return "base" if parts[2] in BASE else "centre"
+
+
+def wing_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import inside gateway/ from one wing into another it may not point at."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        own = _wing(module)
+        for target in sorted(targets):
+            wing = _wing(target)
+            if own is not None and wing is not None and wing != own and wing not in WINGS[own]:
+                found.append(f"{module} ({own}) imports {target} ({wing})")
+    return found
+
+
+def test_every_gateway_folder_is_a_wing() -> None:
+    folders = {p.name for p in (PACKAGE / "gateway").iterdir() if (p / "__init__.py").exists()}
+    assert folders <= set(WINGS), f"place {sorted(folders - set(WINGS))} in WINGS"
+
+
+def test_the_gateway_wings_point_only_where_drawn() -> None:
+    assert wing_violations(module_graph(PACKAGE)) == []
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(module_graph(PACKAGE)) == []
+
+
+def test_the_checks_see_a_cycle_and_a_wing_pointing_back(tmp_path: Path) -> None:
+    root = tmp_path / "kneegate"
+    files = {
+        "gateway/__init__.py": "",
+        "gateway/app.py": "from kneegate.gateway.endpoints import routes\n",
+        "gateway/endpoints.py": "def f():\n    from kneegate.gateway import app\n",
+        "gateway/errors.py": "from kneegate.gateway.types import Clock\n",
+        "gateway/types.py": "",
+        "gateway/config/__init__.py": "",
+        "gateway/config/read.py": "from kneegate.gateway.errors import ConfigError\n",
+        "gateway/http/__init__.py": "",
+        "gateway/http/wire.py": "from ..upstream.client import UpstreamClient\n",
+        "gateway/upstream/__init__.py": "",
+        "gateway/upstream/client.py": "from kneegate.gateway.config import read\n",
+        "gateway/upstream/pool.py": "from . import probe\n",
+        "gateway/upstream/probe.py": "from typing import TYPE_CHECKING\n"
+                                     "if TYPE_CHECKING:\n"
+                                     "    from kneegate.gateway.upstream.pool import Pool\n",
+        "gateway/observability/__init__.py": "",
+        "gateway/observability/metrics.py": "from kneegate.gateway.proxy import Proxy\n",
+        "gateway/proxy.py": "from kneegate.gateway.observability import metrics\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    graph = module_graph(root)
+    assert cycles(graph) == [
+        ["kneegate.gateway.app", "kneegate.gateway.endpoints"],
+        ["kneegate.gateway.observability.metrics", "kneegate.gateway.proxy"],
+        ["kneegate.gateway.upstream.pool", "kneegate.gateway.upstream.probe"],
+    ]
+    assert wing_violations(graph) == [
+        "kneegate.gateway.http.wire (http) imports kneegate.gateway.upstream.client (upstream)",
+        "kneegate.gateway.observability.metrics (observability) imports "
+        "kneegate.gateway.proxy (centre)",
+    ]
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_no_module_over_max_lines() -> None:
+    over = {str(p.relative_to(PACKAGE.parent)): _lines(p) for p in sorted(PACKAGE.rglob("*.py"))
+            if _lines(p) > MAX_LINES}
+    new = {path: n for path, n in over.items() if path not in OVER_MAX}
+    assert new == {}, f"split these by responsibility (at most {MAX_LINES} lines a module)"
+    assert set(over) == OVER_MAX, f"under {MAX_LINES} now: remove {sorted(OVER_MAX - set(over))}"

@@ -75,8 +75,8 @@ def _queued(n: int, tenants: list[TenantPolicy]) -> float:
 
 
 def _gate(n: int, tenants: list[TenantPolicy]) -> float:
-    from kneegate.gateway.app import Gateway
-    from kneegate.gateway.config import parse_config
+    from kneegate.gateway.config.gateway import parse_config
+    from kneegate.gateway.runtime import Gateway
 
     gw = Gateway(parse_config({"upstreams": [{
         "name": "u", "url": "http://127.0.0.1:9", "controller": "fixed",

@@ -6,7 +6,7 @@
 The same app `kneegate serve --upstream URL --controller fixed --limit 100000
 --no-access-log` runs (what `benchmarks.overhead` measures), built on import. Under a
 server other than kneegate's own uvicorn protocol it relays through plain ASGI `send`, as
-any ASGI app would, and has no client limits of gateway/wire.py: a benchmark's stand-in,
+any ASGI app would, and has no client limits of gateway/http/wire.py: a benchmark's stand-in,
 not a way to deploy kneegate. Used by `benchmarks.overhead --granian` (issue 16).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from kneegate.gateway.app import build_app
-from kneegate.gateway.config import GatewayConfig, parse_config
+from kneegate.gateway.config.gateway import GatewayConfig, parse_config
 
 __all__ = ["app", "config"]
 

@@ -21,7 +21,7 @@ and quoted when it holds anything but plain characters.
 
 Cost: nothing is formatted unless the logger is enabled for INFO and `server.access_log`
 is on (`--no-access-log` turns it off). With `--log-format json` the fields are keys of the
-record's JSON object (gateway/logs.py).
+record's JSON object (gateway/observability/logs.py).
 """
 
 from __future__ import annotations

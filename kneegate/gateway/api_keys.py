@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from kneegate.gateway.config import GatewayConfig
+from kneegate.gateway.config.gateway import GatewayConfig
 
 __all__ = ["OPEN_PATHS", "ApiKeys"]
 

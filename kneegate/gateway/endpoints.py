@@ -6,9 +6,10 @@
 The probes are `/health` and `/ready`, on both ports (Kubernetes probes the serving port).
 The admin endpoints are `/metrics`, `/kneegate/status` (`Gateway.status()` as JSON, NaN and
 infinities as null), `/kneegate/history`, `POST /kneegate/reload` and the live page at
-`/kneegate/` (gateway/livepage.py): what they show (tenant names, upstream URLs, the curves
-learned) is the operator's, not the API's clients'. So with `server.admin_port` set they are
-served there only, and the API port answers them 404; without it they share the API port.
+`/kneegate/` (gateway/observability/livepage.py): what they show (tenant names, upstream
+URLs, the curves learned) is the operator's, not the API's clients'. So with
+`server.admin_port` set they are served there only, and the API port answers them 404;
+without it they share the API port.
 With `admin_token` set, status, history and reload need `Authorization: Bearer <token>`
 on either port, and so does `/metrics` on the API port (Prometheus sends it from
 `authorization: credentials_file`); `/metrics` on the admin port is open, like any
@@ -32,10 +33,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from kneegate.gateway.errors import HTTPError, MethodNotAllowed, NotFound, Unauthorized, render
-from kneegate.gateway.livepage import live_page_routes
+from kneegate.gateway.observability.livepage import live_page_routes
 
 if TYPE_CHECKING:
-    from kneegate.gateway.app import Gateway
+    from kneegate.gateway.runtime import Gateway
 
 __all__ = ["NO_ROUTE", "admin_endpoints", "own_endpoints"]
 

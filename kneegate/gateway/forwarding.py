@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from kneegate.admission.types import ANONYMOUS, TenantPolicy
 from kneegate.gateway.api_keys import ApiKeys
-from kneegate.gateway.config import GatewayConfig
+from kneegate.gateway.config.gateway import GatewayConfig
 from kneegate.gateway.errors import InvalidApiKey, InvalidHeader, InvalidPath
 from kneegate.gateway.tenants import Tenants
 from kneegate.gateway.types import Scope

@@ -41,9 +41,9 @@ from kneegate.gateway.errors import (
     ShuttingDown,
     TenantQuota,
 )
-from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.observability.metrics import GatewayMetrics
 from kneegate.gateway.types import Clock
-from kneegate.gateway.upstreams import Upstream
+from kneegate.gateway.upstream.state import Upstream
 
 __all__ = ["Gate", "Permit"]
 

@@ -9,7 +9,7 @@ One request, in order:
 2. `gate.acquire(class)`: a permit, or a Rejection answered as 429/503 with Retry-After;
 3. open the upstream request and relay every chunk as it arrives, through the `Tap` (no
    StreamingResponse, no re-encoding): written from the upstream socket's callback when the
-   server offers gateway/wire.py's body writer, else through ASGI `send`;
+   server offers gateway/http/wire.py's body writer, else through ASGI `send`;
 4. `finally`: finish the permit synchronously (the slot is free before anything else can
    happen), then close the upstream connection unless it ended cleanly, which is what makes
    the engine abort a request whose caller went away.
@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from functools import partial
 
 from kneegate.admission.types import TenantPolicy
 from kneegate.controllers.base import Outcome, Sample
 from kneegate.gateway.access import AccessLog
-from kneegate.gateway.config_upstream import public_url
+from kneegate.gateway.config.upstream import public_url
 from kneegate.gateway.errors import (
     BodyTooLarge,
     ContextTooLong,
@@ -56,8 +55,8 @@ from kneegate.gateway.errors import (
     UpstreamTimeout,
     send_error,
 )
+from kneegate.gateway.exchange import Exchange, read_body, watch
 from kneegate.gateway.forwarding import (
-    RESPONSE_DROP,
     VALVE,
     ProxySettings,
     ReadResponse,
@@ -69,78 +68,23 @@ from kneegate.gateway.forwarding import (
     small_body,
 )
 from kneegate.gateway.gate import Gate, Permit
+from kneegate.gateway.http.body_writer import BodyWriter
+from kneegate.gateway.relay import Response, body_writer, relay
 from kneegate.gateway.request_size import BadBody, RequestSize, over_context, read_request
 from kneegate.gateway.tap import Tap
 from kneegate.gateway.types import Clock, Receive, Scope, Send
-from kneegate.gateway.upstream_client import (
+from kneegate.gateway.upstream.client import (
     TRANSPORT_ERRORS,
     UpstreamClient,
-    UpstreamResponse,
     upstream_error,
     upstream_errors,
 )
-from kneegate.gateway.upstreams import Upstream, UpstreamPool
-from kneegate.gateway.wire import EXTENSION as WIRE_EXTENSION
-from kneegate.gateway.wire import BodyWriter
+from kneegate.gateway.upstream.pool import UpstreamPool
+from kneegate.gateway.upstream.state import Upstream
 
-__all__ = ["Exchange", "Proxy"]
+__all__ = ["Proxy"]
 
 log = logging.getLogger("kneegate")
-
-_END = {"type": "http.response.body", "body": b"", "more_body": False}
-
-
-class Exchange:
-    """One request in flight: what the watcher and the sweeper need to end it."""
-
-    __slots__ = (
-        "aborted", "admitted_at", "chunks", "finished", "permit", "seen_at", "seen_chunks",
-        "sending", "started", "tap", "task", "upstream",
-    )
-
-    def __init__(self, task: asyncio.Task[object]) -> None:
-        self.task = task
-        self.upstream: Upstream | None = None  # set at admission (and at a reroute)
-        self.permit: Permit | None = None  # set at admission
-        self.tap: Tap | None = None  # set when the response head came
-        self.aborted: Outcome | None = None
-        self.started = False  # response headers sent to the client
-        self.finished = False  # the last byte is on its way: nothing may abort now
-        self.admitted_at = 0.0
-        self.chunks = 0
-        self.seen_chunks = 0
-        self.seen_at = 0.0
-        self.sending = False  # awaiting the client's socket (back-pressure) in `send`
-
-    def abort(self, outcome: Outcome) -> None:
-        if self.aborted is None and not self.finished:
-            self.aborted = outcome
-            self.task.cancel()
-
-
-async def read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None when the client left first."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return None
-        body: bytes = msg.get("body", b"")
-        size += len(body)
-        if size > limit:
-            raise BodyTooLarge(f"request body exceeds {limit} bytes; send a smaller request")
-        if not msg.get("more_body", False):
-            return body if not chunks else b"".join([*chunks, body])
-        chunks.append(body)
-
-
-async def _watch(receive: Receive, ex: Exchange) -> None:
-    # After the body, receive() returns only when the client disconnects (or the response
-    # completed, which `finished` tells apart).
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    ex.abort(Outcome.CLIENT_CANCELLED)
 
 
 def _refused_as_bad(resp: Response | None) -> bool:
@@ -213,14 +157,14 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         ex = Exchange(task)
-        writer = _body_writer(scope)
+        writer = body_writer(scope)
         watcher: asyncio.Task[None] | None = None
         if writer is not None:  # the server calls us back when the client leaves
             writer.on_disconnect = partial(ex.abort, Outcome.CLIENT_CANCELLED)
             if writer.disconnected:
                 ex.abort(Outcome.CLIENT_CANCELLED)
         else:
-            watcher = asyncio.create_task(_watch(receive, ex))
+            watcher = asyncio.create_task(watch(receive, ex))
         try:
             await self._serve(ex, scope, send, headers, body, rid, cls, writer, objective,
                               tenant, size)
@@ -314,7 +258,7 @@ class Proxy:
             tap = ex.tap = Tap(self.clock, is_sse(resp.headers),
                                partial(self.gate.first_token, permit))
             try:
-                await self._relay(ex, resp, tap, send, rid, writer)
+                await relay(ex, resp, tap, send, rid, writer)
             except TRANSPORT_ERRORS as exc:  # `with upstream_errors(...)`, without its calls
                 raise upstream_error(permit.upstream.url, exc) from exc
             outcome = _outcome_for_status(resp.status)
@@ -389,62 +333,6 @@ class Proxy:
             permit.upstream.answered(self.clock())
         return resp
 
-    async def _relay(
-        self, ex: Exchange, resp: Response, tap: Tap, send: Send, rid: bytes,
-        writer: BodyWriter | None,
-    ) -> None:
-        headers = []
-        has_rid = False
-        for h in resp.headers:  # one pass: what is relayed, and whether it names the request
-            k = h[0]
-            if k not in RESPONSE_DROP:
-                headers.append(h)
-                has_rid = has_rid or k == b"x-request-id"
-        if not has_rid:
-            headers.append((b"x-request-id", rid))
-        start = {"type": "http.response.start", "status": resp.status, "headers": headers}
-        feed = tap.feed
-        if writer is not None and resp.ended():
-            # the whole body came with the head (a short answer): head and body in one write
-            chunk = await resp.read()
-            if chunk:
-                ex.chunks += 1
-                feed(chunk)
-            ex.finished = True
-            await writer.send_whole(send, start, chunk)
-            ex.started = True
-            return
-        await send(start)
-        ex.started = True
-        if writer is not None and writer.ready():
-            # Push: the upstream socket's callback writes each chunk to the client itself
-            # (gateway/wire.py); this task wakes only at the end, or to wait out the
-            # client's back-pressure through `send` with the chunk the writer refused.
-            def sink(data: bytes) -> bool:
-                if not writer.write(data):
-                    return False
-                ex.chunks += 1
-                feed(data)
-                return True
-
-            more: Callable[[], Awaitable[bytes]] = partial(resp.pipe, sink)
-        else:
-            more = resp.read
-        ended = resp.ended
-        while chunk := await more():
-            ex.chunks += 1
-            feed(chunk)
-            if ended():  # the last bytes: one write with the end of the response
-                ex.finished = True
-                await send({"type": "http.response.body", "body": chunk, "more_body": False})
-                return
-            # `send` waits while the client does not read: the sweeper tells that apart
-            ex.sending = True
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            ex.sending = False
-        ex.finished = True
-        await send(_END)
-
     def _unreachable(self, up: Upstream, exc: UpstreamError) -> None:
         self.pool.mark_failed(up, self.clock(), exc.message)
 
@@ -499,9 +387,3 @@ class Proxy:
                 ex.abort(Outcome.CLIENT_STALLED if ex.sending else Outcome.TIMEOUT)
 
 
-Response = UpstreamResponse | ReadResponse
-
-
-def _body_writer(scope: Scope) -> BodyWriter | None:
-    extensions = scope.get("extensions")
-    return extensions.get(WIRE_EXTENSION) if extensions else None

@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass, field
 
 from kneegate.admission.types import ANONYMOUS, TenantPolicy
-from kneegate.gateway.config import GatewayConfig
+from kneegate.gateway.config.gateway import GatewayConfig
 
 __all__ = ["Tenants"]
 

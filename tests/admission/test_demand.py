@@ -19,8 +19,8 @@ from kneegate.admission.types import (
     UpstreamState,
 )
 from kneegate.controllers.registry import build_controller
-from kneegate.gateway.app import Gateway
-from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.observability.metrics import GatewayMetrics
+from kneegate.gateway.runtime import Gateway
 
 LN2 = math.log(2.0)
 

@@ -28,7 +28,7 @@ def test_the_stand_ins_config_is_what_the_command_line_builds() -> None:
     stay the config that `kneegate serve` builds from the same flags."""
     from kneegate.benchmarks.asgi_app import LIMIT, config
     from kneegate.cli import _parser, apply_flags
-    from kneegate.gateway.config import GatewayConfig
+    from kneegate.gateway.config.gateway import GatewayConfig
 
     url = "http://127.0.0.1:45678"
     flags = ["serve", "--upstream", url, "--controller", "fixed", "--limit", str(LIMIT),
@@ -44,7 +44,7 @@ async def test_the_floor_answers_the_stream_the_benchmarks_upstream_sends() -> N
 
     from kneegate.benchmarks.asgi_floor import app
     from kneegate.benchmarks.rawhttp import event_payload
-    from kneegate.gateway.server import serving
+    from kneegate.gateway.server.serving import serving
 
     async with serving(app, http="httptools") as url, httpx.AsyncClient() as client:
         assert (await client.get(url + "/health")).status_code == 200

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kneegate.benchmarks.engine.__main__ import count, make_app, parse_args
 from kneegate.benchmarks.engine.server import build_app
-from kneegate.gateway.telemetry import parse_engine_metrics
+from kneegate.gateway.upstream.telemetry import parse_engine_metrics
 
 
 def metric(url: str, name: str, **labels: str) -> float:

@@ -1,5 +1,5 @@
 """The engine slows 4x: `knee` brings the limit down. The scenario of
-tests/gateway/test_e2e_knee.py (slow tier, real sockets and clocks) in virtual time: the
+tests/e2e/test_e2e_knee.py (slow tier, real sockets and clocks) in virtual time: the
 same admission queue and controller against the engine core (`benchmarks.simulate`), the
 emulator's cpu-tiny at 3x its knee rate, every step 4x longer from 45 s. Deterministic by
 seed, about a second per seed.

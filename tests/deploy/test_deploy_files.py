@@ -22,7 +22,7 @@ from helpers.deploy import (
 )
 from prometheus_client import CollectorRegistry
 
-from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.observability.metrics import GatewayMetrics
 
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
 

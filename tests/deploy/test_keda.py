@@ -23,8 +23,8 @@ from helpers.k8s_schemas import core_schema
 from kubernetes_validate import utils as kv
 from prometheus_client import CollectorRegistry
 
-from kneegate.gateway.config_sections import ScaleConfig
-from kneegate.gateway.metrics import GatewayMetrics
+from kneegate.gateway.config.sections import ScaleConfig
+from kneegate.gateway.observability.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 KEDA = ROOT / "deploy" / "kubernetes" / "keda" / "scaledobject.yaml"

@@ -26,8 +26,8 @@ from kubernetes_validate import utils as kv
 
 from kneegate.cli import main as kneegate
 from kneegate.gateway.app import build_app
-from kneegate.gateway.config import GatewayConfig, load_config
-from kneegate.gateway.server import CUT_MARGIN
+from kneegate.gateway.config.gateway import GatewayConfig, load_config
+from kneegate.gateway.server.serving import CUT_MARGIN
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"

@@ -14,8 +14,8 @@ from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.controllers.registry import build_controller
 from kneegate.gateway.errors import QueueFull, QueueTimeout
 from kneegate.gateway.gate import Gate, Permit
-from kneegate.gateway.metrics import GatewayMetrics
-from kneegate.gateway.upstreams import Upstream
+from kneegate.gateway.observability.metrics import GatewayMetrics
+from kneegate.gateway.upstream.state import Upstream
 
 pytestmark = pytest.mark.anyio
 

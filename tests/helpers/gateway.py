@@ -12,8 +12,8 @@ import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kneegate.admission.queue import AdmissionQueue
-from kneegate.gateway.config import GatewayConfig, parse_config
-from kneegate.gateway.server import serving as serve  # noqa: F401 - the tests' name for it
+from kneegate.gateway.config.gateway import GatewayConfig, parse_config
+from kneegate.gateway.server.serving import serving as serve  # noqa: F401 - the tests' name for it
 
 
 def gw_config(upstream: str | None = None, **overrides: Any) -> GatewayConfig:

@@ -56,7 +56,7 @@ from kneegate.benchmarks.calibrate_vllm import RealPoint, knee_of, sweep_engine
 from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
 from kneegate.controllers.base import Sample
 from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config import parse_config
+from kneegate.gateway.config.gateway import parse_config
 
 # slow as well: a 6.5-minute load whose shape assertions ride on a noisy 2-core machine.
 # `pytest -m real_vllm` runs it with the rest of the tier; CI runs the tier without it.

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_server import VllmServer
 
 from kneegate.gateway.app import build_app
-from kneegate.gateway.config import parse_config
-from kneegate.gateway.telemetry import parse_engine_metrics
+from kneegate.gateway.config.gateway import parse_config
+from kneegate.gateway.upstream.telemetry import parse_engine_metrics
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.anyio]
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     A port it cannot bind raises CannotListen (`kneegate engine` prints it as one line)."""
     import uvicorn
 
-    from kneegate.gateway.server import bind, listening_url
+    from kneegate.gateway.server.serving import bind, listening_url
 
     args = parse_args(argv)
     app = make_app(args)
