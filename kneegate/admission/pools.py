@@ -7,7 +7,7 @@ a request joins the pool serving the model it names.
 
 Grouping: two upstreams are in one pool when the models they list overlap (a base model
 and its LoRA adapters on the same engines are one pool: they share those engines' batches),
-and an upstream whose models are not known yet (not read, or not answering) may serve any,
+and an upstream whose models are not known (not read yet, or its list unreadable) may serve any,
 so it joins every pool into one: until the engines have said what they serve, admission is
 what it is with one model. Within a pool a request goes only to an upstream that lists its
 model (`least_full`), so adapters loaded on some replicas only are routed right too.
@@ -53,7 +53,7 @@ class Pool:
     @property
     def models(self) -> list[str]:
         """The models its upstreams list, sorted (none while any is unknown)."""
-        if any(u.models is None for u in self.upstreams):
+        if any(not u.models for u in self.upstreams):
             return []
         return sorted({m for u in self.upstreams for m in (u.models or {})})
 
@@ -65,7 +65,7 @@ class Pool:
 def group(upstreams: list[UpstreamState]) -> list[list[UpstreamState]]:
     """Upstreams in pools: connected by a model both list, or by one whose models are
     unknown (it joins every pool). In the order of their first upstream."""
-    if any(u.models is None for u in upstreams):
+    if any(not u.models for u in upstreams):
         return [list(upstreams)] if upstreams else []
     parent = list(range(len(upstreams)))
 
@@ -171,12 +171,18 @@ class Pools:
     # --- routing -------------------------------------------------------------------
 
     def pool_of(self, model: str | None) -> Pool | None:
-        """The pool serving `model`: the only pool where there is one (whatever the model:
-        until the engines have said what they serve, there is one), else the one listing
-        it; None when none does (or no model is named and there are several)."""
-        if len(self.pools) == 1:
-            return self.pools[0]
+        """The pool serving `model`: the one listing it; the only pool where its models
+        are not known (it may serve any) or no model is named; None when no pool lists
+        `model`, or none is named and there are several."""
+        pools = self.pools
+        if len(pools) == 1 and (model is None or not pools[0].models):
+            return pools[0]
         return None if model is None else self._by_model.get(model)
+
+    @property
+    def affinity_on(self) -> bool:
+        """Some pool routes by prefix affinity: requests should carry their prefix keys."""
+        return any(p.queue.affinity is not None for p in self.pools)
 
     @property
     def models(self) -> list[str]:

@@ -82,7 +82,8 @@ class UpstreamState:
     # no refusal without evidence: None for a controller that is not adaptive (`fixed`)
     slow_start: SlowStart | None = None
     # model id -> its context (`max_model_len`; None: not listed), as its engine lists them
-    # (or its config names them); None while unknown: it may serve any
+    # (or its config names them); None (or empty: its list could not be read) while
+    # unknown: it may serve any
     models: dict[str, int | None] | None = None
 
     def __post_init__(self) -> None:
@@ -114,7 +115,7 @@ class UpstreamState:
 
     def serves(self, model: str | None) -> bool:
         """It may serve `model`: it lists it, or its list is unknown (or no model is named)."""
-        return model is None or self.models is None or model in self.models
+        return model is None or not self.models or model in self.models
 
     def take(self, tokens: int) -> None:
         """One more request in flight here, of `tokens` (its prompt-size estimate)."""
@@ -193,7 +194,7 @@ def least_full(upstreams: list[UpstreamState], tokens: int,
     best: UpstreamState | None = None
     for u in upstreams:
         if u is skip or not u.has_room_for(tokens) or not (
-                model is None or u.models is None or model in u.models):
+                model is None or not u.models or model in u.models):
             continue
         if u.name == prefer:
             return u

@@ -210,6 +210,26 @@ class ContextTooLong(HTTPError):
     status, type, code = 400, "invalid_request_error", "context_length_exceeded"
 
 
+class ModelNotFound(HTTPError):
+    """A request names a model no engine behind the gateway serves (OpenAI's 404)."""
+
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.param = "model"
+
+
+class ModelRequired(HTTPError):
+    """A request names no model, and the engines serve several."""
+
+    status, type, code = 400, "invalid_request_error", "model_required"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.param = "model"
+
+
 class InvalidPath(HTTPError):
     status, type, code = 400, "invalid_request_error", "invalid_path"
 

@@ -1,4 +1,4 @@
-"""The thin async layer over the pure `AdmissionQueue`: futures, permits and the tick.
+"""The thin async layer over the pure admission core (`Pools`, one `AdmissionQueue` a pool).
 
     permit = await gate.acquire("batch", 700) # raises a Rejection (429 / 503)
     try:
@@ -20,7 +20,7 @@ import math
 import time
 from typing import Any, NamedTuple
 
-from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.pools import Pools
 from kneegate.admission.types import (
     ANONYMOUS,
     Admitted,
@@ -116,7 +116,7 @@ class Gate:
     """
 
     def __init__(
-        self, queue: AdmissionQueue, metrics: GatewayMetrics, clock: Clock = time.monotonic
+        self, queue: Pools, metrics: GatewayMetrics, clock: Clock = time.monotonic
     ) -> None:
         self.queue, self.metrics, self.clock = queue, metrics, clock
         self.handing: dict[str, int] = {}  # class -> tickets dispatched, caller not resumed
@@ -133,16 +133,19 @@ class Gate:
 
     async def acquire(self, cls: str, tokens: int = 0, objective: float = math.inf,
                       tenant: TenantPolicy = ANONYMOUS, streamed: bool = False,
-                      generation: bool = True) -> Permit:
+                      generation: bool = True, model: str | None = None,
+                      prefix: tuple[int, ...] = ()) -> Permit:
         """A permit now, a permit after waiting in the queue, or a Rejection raised.
         `tokens`: the prompt's size estimate, for controllers with a token budget;
         `objective`: the request's own TTFT objective, seconds (tightens its class's);
         `tenant`: whom it is for (fair shares within the class, the tenant's caps);
         `streamed`: its answer streams, and `first_token` will be told of its first token;
-        `generation`: False for a request that is no evidence (it passes with no slot)."""
+        `generation`: False for a request that is no evidence (it passes with no slot);
+        `model`: the model it names (only an upstream serving it takes it); `prefix`: its
+        prompt's prefix keys, for affinity (admission/affinity.py)."""
         now = self.clock()
         ticket = Ticket(cls, now, tokens=tokens, ttft_objective=objective, tenant=tenant,
-                        streamed=streamed, generation=generation)
+                        streamed=streamed, generation=generation, model=model, prefix=prefix)
         received = self._received.get(cls)
         if received is None:
             m = self.metrics

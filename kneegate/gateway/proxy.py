@@ -49,6 +49,8 @@ from kneegate.gateway.errors import (
     InvalidApiKey,
     InvalidBody,
     InvalidHeader,
+    ModelNotFound,
+    ModelRequired,
     Rejection,
     ShuttingDown,
     UpstreamError,
@@ -69,6 +71,7 @@ from kneegate.gateway.forwarding import (
 )
 from kneegate.gateway.gate import Gate, Permit
 from kneegate.gateway.http.body_writer import BodyWriter
+from kneegate.gateway.models import answer_models
 from kneegate.gateway.relay import Response, body_writer, relay
 from kneegate.gateway.request_size import BadBody, RequestSize, over_context, read_request
 from kneegate.gateway.tap import Tap
@@ -83,6 +86,10 @@ from kneegate.gateway.upstream.pool import UpstreamPool
 from kneegate.gateway.upstream.state import Upstream
 
 __all__ = ["Proxy"]
+
+_CLIENT_REASON: dict[type[HTTPError], str] = {  # kneegate_client_rejections_total's reason
+    InvalidBody: "invalid_body", ContextTooLong: "context_length",
+    ModelNotFound: "model_not_found", ModelRequired: "model_required"}
 
 log = logging.getLogger("kneegate")
 
@@ -144,13 +151,12 @@ class Proxy:
             self.access.refused(rid, cls, exc, tenant.label)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
-        if body is None:
+        if body is None or await answer_models(scope, send, self.gate.queue, rid):
             return
         try:
             size = self._size(scope, body)
-        except (InvalidBody, ContextTooLong) as exc:
-            self.gate.metrics.count_client_rejection(
-                "invalid_body" if isinstance(exc, InvalidBody) else "context_length")
+        except (InvalidBody, ContextTooLong, ModelNotFound, ModelRequired) as exc:
+            self.gate.metrics.count_client_rejection(_CLIENT_REASON[type(exc)])
             self.access.refused(rid, cls, exc, tenant.label)
             await send_error(send, exc, [(b"x-request-id", rid)])
             return
@@ -187,9 +193,13 @@ class Proxy:
         cannot fit its model's context: answered at once, never queued, as vLLM would."""
         path: bytes = scope.get("raw_path") or scope["path"].encode()
         try:
-            size = read_request(scope["method"], path, body)
+            size = read_request(scope["method"], path, body, self.gate.queue.affinity_on)
         except BadBody as exc:
             raise InvalidBody(str(exc)) from None
+        if size.generation and self.gate.queue.pool_of(size.model) is None:  # never queued
+            if size.model is None:
+                raise ModelRequired(f"name a model: {', '.join(self.gate.queue.models)}")
+            raise ModelNotFound(f"The model `{size.model}` does not exist.")
         if size.generation:
             context = self.pool.context(size.model)
             why = None if context is None else over_context(size, context)
@@ -241,7 +251,7 @@ class Proxy:
             cls = self.settings.default_class
         try:
             permit = await self.gate.acquire(cls, size.prompt, objective, tenant, size.stream,
-                                             size.generation)
+                                             size.generation, size.model, size.prefix)
         except Rejection as exc:
             self.access.refused(rid, cls, exc, tenant.label)
             await send_error(send, exc, [(b"x-request-id", rid)])

@@ -39,6 +39,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from kneegate.admission.affinity import prompt_keys
+
 __all__ = ["GENERATION", "LIGHT", "MAX_BYTES_PER_TOKEN", "NOT_GENERATION", "RequestSize",
            "over_context", "read_request"]
 
@@ -71,6 +73,7 @@ class RequestSize:
     max_tokens: int | None = None
     stream: bool = False
     model: str | None = None
+    prefix: tuple[int, ...] = ()  # the prompt's prefix keys, when asked (admission/affinity.py)
 
 
 NOT_GENERATION = RequestSize(generation=False)
@@ -80,9 +83,9 @@ class BadBody(ValueError):
     """A generation request whose body is not a JSON object: the engine would answer 400."""
 
 
-def read_request(method: str, path: bytes, body: bytes) -> RequestSize:
+def read_request(method: str, path: bytes, body: bytes, keys: bool = False) -> RequestSize:
     """The size of a request to `path`; raises BadBody for a generation request whose body
-    is not a JSON object."""
+    is not a JSON object. `keys`: with its prompt's prefix keys too."""
     if method != "POST" or path in LIGHT:
         return NOT_GENERATION
     fields = GENERATION.get(path)
@@ -102,7 +105,8 @@ def read_request(method: str, path: bytes, body: bytes) -> RequestSize:
     model = doc.get("model")
     return RequestSize(
         generation=True, prompt=prompt, floor=floor, max_tokens=_cap(doc, caps),
-        stream=_stream(doc.get("stream")), model=model if isinstance(model, str) else None)
+        stream=_stream(doc.get("stream")), model=model if isinstance(model, str) else None,
+        prefix=prompt_keys(doc) if keys else ())
 
 
 def _other(body: bytes) -> RequestSize:

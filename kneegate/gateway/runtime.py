@@ -21,7 +21,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kneegate.admission.affinity import PrefixMap
 from kneegate.admission.demand import DemandEstimate
+from kneegate.admission.pools import Pools
 from kneegate.admission.queue import AdmissionQueue
 from kneegate.admission.types import ClassPolicy
 from kneegate.controllers.base import engine_ttft_objective
@@ -94,11 +96,9 @@ class Gateway:
         self.metrics = GatewayMetrics(registry if registry is not None else CollectorRegistry())
         self.pool = UpstreamPool(_upstreams(config), clock=clock,
                                  count_scrape=self.metrics.count_scrape)
-        self.queue = AdmissionQueue(
-            list(self.pool.active), _policies(config), config.max_queue,
-            config.retry_after_min, config.retry_after_max,
-        )
-        self.queue.demand.half_life = config.scale.half_life
+        self.queue = Pools(list(self.pool.active), _policies(config), config.max_queue,
+                           (config.retry_after_min, config.retry_after_max), self._configure)
+        self.pool.on_models = self._regroup
         self.gate = Gate(self.queue, self.metrics, clock)
         self.pool.feed_engine = self.gate.engine_stats
         self.metrics.set_objectives(_objectives(config))
@@ -121,10 +121,33 @@ class Gateway:
     def _depths(self) -> list[tuple[str, int]]:
         return [(name, self.gate.depth(name)) for name in self.config.classes]
 
-    def demand(self, now: float) -> DemandEstimate | None:
-        """The scale-out signal at `now`: offered load against the usable upstreams' limits."""
-        limits = [u.limit for u in self.queue.upstreams if u.usable]
-        return self.queue.demand.estimate(now, limits, self.config.scale.target)
+    def _configure(self, queue: AdmissionQueue) -> None:
+        """A pool's queue as the config has it: its demand's half-life, its affinity."""
+        queue.demand.half_life = self.config.scale.half_life
+        r = self.config.routing
+        wanted = (r.affinity and len(queue.upstreams) > 1
+                  and not any(m in r.without_affinity for u in queue.upstreams
+                              for m in u.models or ()))
+        if not wanted:
+            queue.affinity = None
+        elif queue.affinity is None or queue.affinity.capacity != r.affinity_entries:
+            queue.affinity = PrefixMap(r.affinity_entries)
+
+    def _regroup(self) -> None:
+        """What an upstream serves changed: the pools again, each configured."""
+        self.queue.regroup()
+        for q in self.queue.queues():
+            self._configure(q)
+        self.gate.pump()
+
+    def demand(self, now: float) -> list[tuple[str, DemandEstimate | None]]:
+        """The scale-out signal at `now`, per pool (named by its models, "" while they are
+        unknown): offered load against its usable upstreams' limits."""
+        target = self.config.scale.target
+        return [(",".join(p.models),
+                 p.queue.demand.estimate(now, [u.limit for u in p.upstreams if u.usable],
+                                         target))
+                for p in self.queue.pools]
 
     async def start(self) -> None:
         await self.pool.first_contact(self.client)  # so /ready knows who answers
@@ -217,13 +240,15 @@ class Gateway:
             log.warning("client limits changed; they take effect only after a restart")
             new = new.model_copy(update={"limits": self.config.limits})
         ups = self.pool.reload(_upstreams(new))
+        self.config = new  # what `_configure` reads for every pool
         self.queue.reconfigure(_policies(new), new.max_queue, list(ups),
                                (new.retry_after_min, new.retry_after_max))
+        for q in self.queue.queues():
+            self._configure(q)
         self.metrics.set_objectives(_objectives(new))
-        self.queue.demand.half_life = new.scale.half_life
         self.client.set_connect_timeout(new.timeouts.connect)
         self.proxy.settings = ProxySettings.from_config(new, self.proxy.settings)
-        self.config, self.admin_token = new, token
+        self.admin_token = token
         self.gate.pump()
 
     def reload(self) -> tuple[bool, str]:
@@ -267,11 +292,16 @@ class Gateway:
         engine's scraped figures), the queue, the completion rate and the demand (null
         until known: admission/demand.py)."""
         now = self.clock()
-        demand = self.demand(now)
+        demands = self.demand(now)
+        demand = demands[0][1] if len(demands) == 1 else None
         return {
             "upstreams": [u.status(now) for u in self.pool.all()],
             "queue": {name: self.gate.depth(name) for name in self.config.classes},
             "queue_total": self.queue.depth(),
             "completion_rate": round(self.queue.completion_rate, 3),
             "demand": None if demand is None else demand.as_dict(),
+            "pools": [{"models": p.models, "upstreams": sorted(p.names),
+                       "affinity": p.queue.affinity is not None,
+                       "demand": None if d is None else d.as_dict()}
+                      for p, (_, d) in zip(self.queue.pools, demands, strict=True)],
         }

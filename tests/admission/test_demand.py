@@ -168,14 +168,17 @@ def test_metrics_are_absent_until_known_then_read_at_scrape_time() -> None:
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     reading: list[DemandEstimate | None] = [None]
-    metrics.bind_live(lambda: [], lambda: [], lambda: 0.0, lambda now: reading[0])
+    metrics.bind_live(lambda: [], lambda: [], lambda: 0.0,
+                      lambda now: [("llama", reading[0]), ("qwen", None)])
     names = ("kneegate_demand_ratio", "kneegate_suggested_replicas",
              "kneegate_demand_offered_requests_per_second",
              "kneegate_demand_capacity_requests_per_second")
-    assert [registry.get_sample_value(n) for n in names] == [None] * 4
+    llama, qwen = {"model": "llama"}, {"model": "qwen"}
+    assert [registry.get_sample_value(n, llama) for n in names] == [None] * 4
     reading[0] = DemandEstimate(offered=9.0, capacity=3.0, ratio=3.0, engines=1,
                                 suggested_replicas=4)
-    assert [registry.get_sample_value(n) for n in names] == [3.0, 4.0, 9.0, 3.0]
+    assert [registry.get_sample_value(n, llama) for n in names] == [3.0, 4.0, 9.0, 3.0]
+    assert [registry.get_sample_value(n, qwen) for n in names] == [None] * 4  # each its own
 
 
 class FakeClock:
@@ -191,22 +194,24 @@ def test_the_gateway_exports_its_pools_demand_on_metrics_and_status() -> None:
                     scale={"target": 0.5, "half_life": 10.0})
     registry, clock = CollectorRegistry(), FakeClock()
     gw = Gateway(cfg, registry=registry, clock=clock)
-    assert gw.queue.demand.half_life == 10.0
+    demand = gw.queue.pools[0].queue.demand
+    assert demand.half_life == 10.0
     assert gw.status()["demand"] is None
-    assert registry.get_sample_value("kneegate_demand_ratio") is None
+    one = {"model": ""}  # the pool's models are not known (nothing answers there)
+    assert registry.get_sample_value("kneegate_demand_ratio", one) is None
     up = gw.queue.upstreams[0]
-    for _ in range(gw.queue.demand.warm):  # one at a time, each 1 s: 1 of 2 slots in use
+    for _ in range(demand.warm):  # one at a time, each 1 s: 1 of 2 slots in use
         t = Ticket("default", clock.now)
         gw.queue.offer(t, clock.now)
         clock.now += 1.0
         gw.queue.release(t, clock.now)
     status = gw.status()["demand"]
     assert status is not None and status["engines"] == 1
-    ratio = registry.get_sample_value("kneegate_demand_ratio")
+    ratio = registry.get_sample_value("kneegate_demand_ratio", one)
     assert ratio is not None and 0.4 < ratio < 0.5  # ~half the limit's level in use
     assert status["ratio"] == round(ratio, 3)
     assert status["suggested_replicas"] == 1 == registry.get_sample_value(
-        "kneegate_suggested_replicas")
+        "kneegate_suggested_replicas", one)
     up.usable = False
     assert gw.status()["demand"] is None  # no usable upstream: no capacity to measure
 
@@ -216,5 +221,6 @@ def test_a_reload_sets_the_half_life_and_target_without_losing_the_sums() -> Non
     gw = Gateway(gw_config("http://127.0.0.1:9"), registry=CollectorRegistry(), clock=clock)
     gw.queue.offer(Ticket("default", clock.now), clock.now)
     gw.apply(gw_config("http://127.0.0.1:9", scale={"target": 0.6, "half_life": 40.0}))
-    assert gw.queue.demand.half_life == 40.0 and gw.config.scale.target == 0.6
-    assert gw.queue.demand._arrivals == 1.0  # the pool's history stays
+    demand = gw.queue.pools[0].queue.demand
+    assert demand.half_life == 40.0 and gw.config.scale.target == 0.6
+    assert demand._arrivals == 1.0  # the pool's history stays

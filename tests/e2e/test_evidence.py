@@ -36,7 +36,7 @@ async def test_requests_that_are_not_generation_pass_a_full_limit_and_tell_nobod
                                                     headers=JSON)) for _ in range(2)]
             await until(lambda: engine.running == 2)
             assert heard == ["arrival", "admit"] * 2
-            demand = app.gateway.queue.demand
+            demand = app.gateway.queue.pools[0].queue.demand
             arrivals = demand._arrivals
             # both slots are held: these reach the engine beside them, none queued
             with anyio.fail_after(1):  # the engine answers it at once

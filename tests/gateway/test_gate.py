@@ -8,7 +8,7 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.pools import Pools
 from kneegate.admission.types import ClassPolicy
 from kneegate.controllers.base import EngineStats, Outcome, Sample
 from kneegate.controllers.registry import build_controller
@@ -39,7 +39,7 @@ def make_gate(limit: int = 2, max_queue: int = 4) -> tuple[Gate, Upstream, FakeC
     clock = FakeClock()
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
-    gate = Gate(AdmissionQueue([up], classes, max_queue), metrics, clock)
+    gate = Gate(Pools([up], classes, max_queue), metrics, clock)
     metrics.bind_live(lambda: [up], lambda: [(c, gate.depth(c)) for c in classes])
     return gate, up, clock
 
@@ -263,7 +263,7 @@ async def test_user_ttft_and_goodput_are_judged_from_arrival() -> None:
     up = Upstream(name="e0", controller=build_controller("fixed", {"initial": 1}))
     classes = {"c": ClassPolicy("c", 0, max_wait=5.0, ttft_objective=1.0)}
     clock, metrics = FakeClock(), GatewayMetrics(CollectorRegistry())
-    gate = Gate(AdmissionQueue([up], classes, 4), metrics, clock)
+    gate = Gate(Pools([up], classes, 4), metrics, clock)
     held, waiting = await one_waiting(gate, "c")
     clock.advance(0.5)
     held.finish(Outcome.OK, Sample(admitted_at=100.0, duration=0.5, ttft=0.1, prompt_tokens=3,

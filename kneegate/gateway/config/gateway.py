@@ -39,6 +39,7 @@ from kneegate.gateway.config.sections import (
     ClassConfig,
     Frozen,
     LimitsConfig,
+    RoutingConfig,
     ScaleConfig,
     ServerConfig,
     TenantConfig,
@@ -98,6 +99,7 @@ class GatewayConfig(Frozen):
         "surrounding whitespace ignored), read at start and at each reload")
     server: ServerConfig = Field(default_factory=ServerConfig)
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:

@@ -141,3 +141,19 @@ class ScaleConfig(Frozen):
         15.0, gt=0, le=3600, description="seconds: offered load and capacity are averaged "
         "with this half-life")
 
+
+
+class RoutingConfig(Frozen):
+    """How a request picks its engine within a pool of engines serving its model
+    (admission/pools.py, admission/affinity.py). Reloadable."""
+
+    affinity: bool = Field(
+        True, description="prefix affinity: a prompt goes back to the engine that served its "
+        "longest known beginning (a conversation's earlier turns) while that engine has room "
+        "under its limit; off: always the least full engine")
+    affinity_entries: int = Field(
+        16384, ge=1, le=10_000_000, description="prompts remembered per pool (least recently "
+        "used dropped first)")
+    without_affinity: list[str] = Field(
+        default_factory=list, description="models whose pool routes by room alone, "
+        "affinity on or not")

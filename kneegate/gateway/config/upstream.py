@@ -85,6 +85,9 @@ class UpstreamConfig(Frozen):
         "knee", description="controller name from controllers.registry; `fixed` to hand-tune")
     params: dict[str, Any] = Field(default_factory=dict, description="the controller's config")
     health_path: str = Field("/health", description="probed while the upstream is unusable")
+    models: list[str] | None = Field(
+        None, min_length=1, description="the models it serves (ids a request names); unset: "
+        "what its /v1/models lists, read at first contact and on recovery")
     scrape: bool | None = Field(
         None, description="scrape the engine's /metrics: true always, false never; unset: "
         "always when metrics_url is given, else when url + '/metrics' shows vLLM series")

@@ -80,8 +80,9 @@ def _add_engine(fams: dict[str, GaugeMetricFamily], name: str, t: Telemetry) -> 
             fams["kv"].add_metric([name], t.stats.kv_cache_usage)
 
 
-def _demand_families(e: DemandEstimate | None) -> Iterator[Metric]:
-    """The scale-out signal (admission/demand.py): absent, not zero, until it is known, so an
+def _demand_families(pools: list[tuple[str, DemandEstimate | None]]) -> Iterator[Metric]:
+    """The scale-out signal (admission/demand.py) of each pool of engines, labelled `model`
+    by the models it serves ("" while unknown): absent, not zero, until it is known, so an
     autoscaler holds rather than scales in on a gateway that has measured nothing yet."""
     gauges = (
         ("kneegate_demand_ratio", "Offered load over what the usable upstreams serve at "
@@ -94,9 +95,10 @@ def _demand_families(e: DemandEstimate | None) -> Iterator[Metric]:
          "upstreams serve at their limits", "capacity"),
     )
     for name, doc, attr in gauges:
-        fam = GaugeMetricFamily(name, doc)
-        if e is not None:
-            fam.add_metric([], float(getattr(e, attr)))
+        fam = GaugeMetricFamily(name, doc, labels=["model"])
+        for model, e in pools:
+            if e is not None:
+                fam.add_metric([model], float(getattr(e, attr)))
         yield fam
 
 
@@ -106,7 +108,7 @@ class LiveCollector(Collector):
         upstreams: Callable[[], Iterable[LiveUpstream]],
         queue_depths: Callable[[], Iterable[tuple[str, int]]],
         clock: Clock,
-        demand: Callable[[float], DemandEstimate | None] | None = None,
+        demand: Callable[[float], list[tuple[str, DemandEstimate | None]]] | None = None,
     ) -> None:
         self._upstreams, self._depths, self._clock = upstreams, queue_depths, clock
         self._demand = demand
@@ -153,4 +155,4 @@ class LiveCollector(Collector):
         for cls, n in self._depths():
             depth.add_metric([cls], n)
         yield depth
-        yield from _demand_families(None if self._demand is None else self._demand(now))
+        yield from _demand_families([] if self._demand is None else self._demand(now))

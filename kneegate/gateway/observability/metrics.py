@@ -64,6 +64,8 @@ CLIENT_REJECTIONS = (
     "method_not_allowed",  # 405: a method the path does not take
     "invalid_body",  # 400: a generation request whose body is not a JSON object
     "context_length",  # 400: surely longer than the engine's context (max_model_len)
+    "model_not_found",  # 404: a model no engine serves (admission/pools.py)
+    "model_required",  # 400: no model named, and the engines serve several
     "connection_limit",  # 503: a request on a connection over limits.max_connections
     "client_connection_limit",  # 503: over limits.max_connections_per_client from one address
     "invalid_api_key",  # 401: require_api_key, and no configured key (gateway/api_keys.py)
@@ -192,7 +194,7 @@ class GatewayMetrics:
         upstreams: Callable[[], Iterable[LiveUpstream]],
         queue_depths: Callable[[], Sequence[tuple[str, int]]],
         clock: Clock = time.monotonic,
-        demand: Callable[[float], DemandEstimate | None] | None = None,
+        demand: Callable[[float], list[tuple[str, DemandEstimate | None]]] | None = None,
     ) -> None:
         """Register the scrape-time reader of limit, in-flight, queue depth, knee, the
         engine figures (aged on `clock`) and the pool's `demand` at that time."""

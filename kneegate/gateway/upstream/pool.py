@@ -50,8 +50,11 @@ pool's only I/O, are gateway/upstream/probe.py's; this module keeps the state th
 
 Models: a healthy upstream's `/v1/models` is read at first contact and again after it
 failed (a replaced engine may serve others), with the probes' back-off while it does not
-answer; `context(model)` is the longest `max_model_len` listed for a model, what the proxy
-refuses a request against before queueing it (gateway/request_size.py).
+answer; until read again, what it listed before still routes (admission/pools.py). An
+upstream's `models` in the config names what it serves instead (its lengths still read).
+`context(model)` is the longest `max_model_len` listed for a model, what the proxy
+refuses a request against before queueing it (gateway/request_size.py). When what an
+upstream serves changes, `on_models` is called (the runtime regroups the pools).
 
 A reload that removes an upstream keeps it *draining*: its in-flight requests finish
 against it and it leaves the pool when the last one does.
@@ -105,8 +108,25 @@ def _telemetry_key(cfg: UpstreamConfig | None) -> tuple[Any, ...] | None:
 def _build(cfg: UpstreamConfig) -> Upstream:
     ctl: LimitController = build_controller(cfg.controller, cfg.params)
     scraping = _scraping(cfg)
-    return Upstream(name=cfg.name, controller=ctl, url=cfg.url, config=cfg, scraping=scraping,
-                    progress=_progress(cfg) if scraping else None)
+    up = Upstream(name=cfg.name, controller=ctl, url=cfg.url, config=cfg, scraping=scraping,
+                  progress=_progress(cfg) if scraping else None)
+    _name_models(up, cfg)
+    return up
+
+
+def _name_models(up: Upstream, cfg: UpstreamConfig) -> None:
+    """The models `cfg` names, known at once; their lengths are read at the next probe."""
+    if cfg.models is not None:
+        up.models = {m: (up.models or {}).get(m) for m in cfg.models}
+        up.models_stale = True
+
+
+def _named(cfg: UpstreamConfig, listed: dict[str, int | None]) -> dict[str, int | None]:
+    """What an upstream serves: the config's names where it gives them (with the lengths its
+    engine lists), else what its engine lists."""
+    if cfg.models is None:
+        return listed
+    return {m: listed.get(m) for m in cfg.models}
 
 
 class UpstreamPool:
@@ -130,6 +150,7 @@ class UpstreamPool:
         # where the pool runs alone
         self.feed_engine: EngineFeed = feed_engine or (
             lambda up, stats: up.controller.on_engine_stats(stats))
+        self.on_models: Callable[[], None] = lambda: None  # what an upstream serves changed
 
     def all(self) -> list[Upstream]:
         self.draining = [u for u in self.draining if u.inflight > 0]
@@ -152,6 +173,8 @@ class UpstreamPool:
                 up.progress = _progress(cfg) if up.scraping else None
                 up.stalled = False
                 up.refresh_usable()
+            if prev is None or prev.models != cfg.models:
+                _name_models(up, cfg)
             up.url, up.config = cfg.url, cfg
             new.append(up)
         self.draining.extend(u for u in old.values() if u.inflight > 0)
@@ -179,7 +202,7 @@ class UpstreamPool:
     def mark_failed(self, up: Upstream, now: float, why: str = "connect failed") -> None:
         """A connect to `up` failed (refused or timed out): unusable until a probe answers
         (which reads its models again: a replaced engine may serve others)."""
-        up.models = None
+        up.models_stale = True
         if up.healthy:
             log.warning("upstream %s unusable: %s; probing %s", up.name, why,
                         public_url(up.url))
@@ -195,7 +218,7 @@ class UpstreamPool:
             self._judge_silence(up, now)
             if up.busy or up.config is None:
                 continue
-            if (not up.healthy or not up.confirmed or up.models is None
+            if (not up.healthy or not up.confirmed or up.models is None or up.models_stale
                     ) and now >= up.next_probe_at:
                 up.busy = True
                 tasks.append(asyncio.create_task(probe(self, client, up, now)))
@@ -247,9 +270,12 @@ class UpstreamPool:
             log.info("upstream %s (%s) answers %s", up.name, public_url(up.url),
                      up.config.health_path)
         if models is not None:
-            up.models = models
+            models = _named(up.config, models)
+            changed, up.models, up.models_stale = models != up.models, models, False
             self._contexts()
-        elif ok and up.models is None:
+            if changed:
+                self.on_models()
+        elif ok and (up.models is None or up.models_stale):
             up.next_probe_at = now + up.backoff
             up.backoff = min(BACKOFF_MAX, up.backoff * 2)
         if ok:

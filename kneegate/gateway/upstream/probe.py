@@ -66,7 +66,7 @@ async def probe(pool: Verdicts, client: UpstreamClient, up: Upstream, now: float
         ok = 200 <= status < 300
         if not ok:
             why = f"{up.config.health_path} answered HTTP {status}"
-        elif up.models is None:
+        elif up.models is None or up.models_stale:
             models = await read_models(client, up.url)
     except UpstreamError as exc:
         ok, why = False, exc.message

@@ -44,6 +44,7 @@ class Upstream(UpstreamState):
     idle_at: float = -math.inf  # the last tick at which it had nothing in flight
     scrape_failures: int = 0  # scrapes in a row that timed out or failed
     frozen: bool = False  # failing scrapes and silent requests: see the module docstring
+    models_stale: bool = False  # `models` to be read again at the next probe (it failed)
 
     @property
     def knee_estimate(self) -> float | None:
