@@ -78,10 +78,17 @@ class Summary:
     engine_kv: float | None = None  # mean KV-cache use, 0..1
     engine_last: tuple[float, float] | None = None  # the last scrape's in-flight, its tokens/s
     engine_first: float | None = None  # running + waiting at the window's first scrape
+    busy: float | None = None  # fraction of the window with any request in flight (None: all)
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def busy_inflight(self) -> float:
+        """Mean in-flight over the time any request was in flight: the level a window of
+        bursts held while it held any (its mean over the gaps between them is no level)."""
+        return self.inflight / self.busy if self.busy else self.inflight
 
     @property
     def engine_tpot(self) -> float | None:
@@ -101,6 +108,7 @@ class Window:
     last_tick: float
     area: float = 0.0
     saturated_time: float = 0.0
+    busy_time: float = 0.0
     max_inflight: int = 0
     drops: int = 0
     distress: bool = False
@@ -117,6 +125,8 @@ class Window:
         dt = max(0.0, now - self.last_tick)
         self.last_tick = max(self.last_tick, now)
         self.area += inflight * dt
+        if inflight > 0:
+            self.busy_time += dt
         if inflight >= limit:
             self.saturated_time += dt
         self.max_inflight = max(self.max_inflight, inflight)
@@ -161,6 +171,7 @@ class Window:
             engine_kv=sum(s.kv_cache_usage for s in self.stats) / n if n else None,
             engine_last=self._last(),
             engine_first=self._first_own(),
+            busy=self.busy_time / span,
         )
 
     def _first_own(self) -> float | None:

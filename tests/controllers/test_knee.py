@@ -5,7 +5,7 @@ import math
 from collections.abc import Callable
 
 import pytest
-from helpers.controllers import scrape, window
+from helpers.controllers import make_sample, scrape, window
 
 from kneegate.controllers import Knee, KneeConfig, Outcome
 
@@ -221,6 +221,27 @@ def test_ttft_breach_backs_off_below_in_flight() -> None:
     ctl = make()
     window(ctl, 0.0, 16, 400.0, ttft=5.0)  # p90 over the 2 s objective
     assert ctl.limit == 14  # 16 * 0.9
+
+
+def test_a_breach_in_a_burst_cuts_from_what_the_burst_held() -> None:
+    # a burst of 16 for 1.5 s of a 5 s window, then nothing: the gateway's mean is 3.2, the
+    # engine's level over its scrapes 6.9, and the burst held 16 while it lasted
+    ctl = make()
+    ctl.on_engine_stats(scrape(0.0, running=16, kv=0.3, tokens=0.0))
+    ctl.on_tick(0.0, 16)
+    ctl.on_engine_stats(scrape(0.5, running=16, kv=0.3, tokens=200.0))
+    for i in range(8):
+        ctl.on_sample(make_sample(admitted_at=0.0, duration=0.6 + i * 0.05, ttft=5.0,
+                                  inflight_at_admit=16))
+    ctl.on_tick(1.0, 16)
+    ctl.on_engine_stats(scrape(1.0, running=16, kv=0.3, tokens=400.0))
+    ctl.on_tick(1.5, 0)
+    for t in range(2, 6):
+        ctl.on_engine_stats(scrape(float(t), running=0, kv=0.0, tokens=600.0))
+        ctl.on_tick(float(t), 0)
+    # the breach marks the engine's level (ceiling 0.9 x 6.9) and cuts from the burst's 16
+    # (0.9 x 16), not from the window's mean (0.9 x 3.2 = 2.9)
+    assert ctl.limit == 6 and ctl.ceiling() == pytest.approx(6.17, abs=0.01)
 
 
 def test_objective_ceiling_caps_the_climb() -> None:

@@ -83,3 +83,14 @@ def test_the_last_reading_spans_at_least_three_quarters_of_a_second() -> None:
     keeper.on_tick(5.0, 4)
     # from 0.5 s (40 tokens) to 1.25 s (90): 50 / 0.75 s; its last interval alone read 40
     assert keeper.closed[0].engine_last == (13, pytest.approx(50 / 0.75))
+
+
+def test_busy_in_flight_is_the_mean_over_the_time_any_was_in_flight() -> None:
+    w = Window(start=0.0, last_tick=0.0)
+    w.tick(1.0, 6, 6)  # 6 in flight for 1 s
+    w.tick(4.0, 0, 6)  # then 3 s empty
+    s = w.summary(4.0)
+    assert s.inflight == 1.5 and s.busy_inflight == 6.0
+    steady = Window(start=0.0, last_tick=0.0)
+    steady.tick(4.0, 5, 6)
+    assert steady.summary(4.0).busy_inflight == steady.summary(4.0).inflight == 5.0

@@ -29,7 +29,9 @@ Regions, in order:
     confirm  not bad, the target cuts the limit by more than a bin, and the curve's top is
              the point this window learnt at the limit's level, one window's reading:
              target = limit, so the regions below hold it (`_unconfirmed`)
-    decline  bad: limit = min(target, backoff x min(limit, in-flight))
+    decline  bad: limit = min(target, backoff x min(limit, busy in-flight)), busy in-flight
+             the mean over the window's time with any request in flight (bursts: the
+             gaps between them are no level the breach was read at)
     linear   in-flight at the limit for >= `saturation` of the window, engine not full,
              its last scrape not a measured level's throughput fallen by more than
              `change` (a slowdown within the window: hold, as `low`):
@@ -252,8 +254,9 @@ class Knee(Windowed):
         if not bad and self._unconfirmed(w, target):
             target = self._limit  # the cut rests on one window at the top: a second confirms
         if bad:
-            # decrease needs no proof of load: cut below what was actually in flight
-            cut = min(self._limit, max(w.inflight, 1.0)) * c.backoff
+            # decrease needs no proof of load: cut below what was actually in flight while
+            # any was (`Summary.busy_inflight`): a burst's mean over its gaps is no level
+            cut = min(self._limit, max(w.busy_inflight, 1.0)) * c.backoff
             self._set_limit(max(1.0, min(target, cut)))
         elif (w.saturated >= c.saturation and not full and not self._stalled(w)
               and not self._unproven(w)):
