@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kneegate.controllers.knee import KneeConfig
@@ -180,7 +181,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kneegate.benchmarks.demo import run_demo  # the load tools and the emulator: asked for only
 
     configure_logging("text")
-    return int(run_demo(load=args.load, seconds=args.seconds, profile=args.profile))
+    return int(run_demo(load=args.load, seconds=args.seconds, profile=args.profile,
+                        plot=Path(args.plot) if args.plot else None))
 
 
 def _lazy(module: str, func: str = "main") -> Callable[[list[str]], int]:
@@ -224,6 +226,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--load", type=float, default=3.0, help="x the engine's capacity")
     demo.add_argument("--seconds", type=float, default=20.0, help="measured, per arm")
     demo.add_argument("--profile", default="cpu-tiny", help="the emulator's engine profile")
+    demo.add_argument("--plot", default="kneegate-demo.png", metavar="FILE",
+                      help="where to draw the learned curve, its knee and the limit (with "
+                      "matplotlib: the plots extra); '' draws nothing")
     demo.set_defaults(func=cmd_demo)
     for name in PASSTHROUGH:
         sub.add_parser(name, help=f"benchmarks: {name} (its own --help)", add_help=False)
