@@ -25,13 +25,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kneegate.benchmarks.overhead import _free_port, _wait_http
+from kneegate.benchmarks.overhead import _free_port, _process
 
 __all__ = ["INSTALL", "PEERS", "Peer", "find", "parse_peer", "serving"]
 
@@ -111,16 +110,5 @@ def serving(peer: Peer, upstream: str, model: str, bin_dir: Path | None) -> Iter
            "LITELLM_LOG": "ERROR"}
     with tempfile.TemporaryDirectory(prefix="kneegate-peer-") as tmp:
         cmd, ready = command(peer, path, upstream, port, model, Path(tmp))
-        # its output dropped: never read, a pipe would fill and block it
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=env)
-        try:
-            _wait_http(ready, START_S)
+        with _process(cmd, ready, env, start_s=START_S):
             yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
