@@ -7,7 +7,9 @@
     kneegate demo                     # the same overload direct and through kneegate
     kneegate engine|sweep|simulate …  # the tools in benchmarks/ (loaded only when asked)
 
-Flags override the file. `--limit N` sets every upstream's controller `initial` (and lifts
+Flags override the environment (`KNEEGATE_CONFIG`, `KNEEGATE_UPSTREAM`, `KNEEGATE_HOST`,
+`KNEEGATE_PORT`, `KNEEGATE_ADMIN_PORT`: what the container image is configured by), which
+overrides the file. `--limit N` sets every upstream's controller `initial` (and lifts
 its `max_limit` to at least N); with `--workers W` each worker gets its share of it.
 Untuned, an upstream runs `knee` and its /metrics is scraped when it shows vLLM series;
 `--controller fixed --limit N` pins the limit by hand. `--ttft-objective S` sets the
@@ -19,8 +21,10 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kneegate.controllers.knee import KneeConfig
@@ -35,12 +39,28 @@ from kneegate.gateway.config.upstream import public_url
 from kneegate.gateway.errors import CannotListen, ConfigError
 from kneegate.gateway.observability.logs import configure as configure_logging
 
-__all__ = ["BENCH_MODULES", "apply_flags", "main", "missing_extra", "version"]
+__all__ = ["ENVIRONMENT", "EXTRA_MODULES", "apply_flags", "from_environment", "main",
+           "missing_extra", "version"]
 
 log = logging.getLogger("kneegate")
 
 
-SERVE_HELP = """Flags override the config file; a default below holds where neither sets it."""
+SERVE_HELP = """Flags override the environment, which overrides the config file; a default
+below holds where none sets it."""
+
+# `serve`'s settings an environment variable may give (a flag overrides it): what a container
+# is configured by (`docker run -e KNEEGATE_UPSTREAM=http://vllm:8000 ...`)
+ENVIRONMENT = {
+    "config": "KNEEGATE_CONFIG",
+    "upstream": "KNEEGATE_UPSTREAM",  # one URL, or several separated by commas
+    "host": "KNEEGATE_HOST",
+    "port": "KNEEGATE_PORT",
+    "admin_port": "KNEEGATE_ADMIN_PORT",
+}
+SERVE_EPILOG = ("environment (a flag overrides it; it overrides the file): "
+                + ", ".join(f"{var} (--{key.replace('_', '-')})"
+                            for key, var in ENVIRONMENT.items())
+                + "; KNEEGATE_UPSTREAM takes several URLs separated by commas")
 
 
 def _serve_parser(p: argparse.ArgumentParser) -> None:
@@ -48,15 +68,18 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     srv, objective = defaults.server, defaults.classes[defaults.default_class].ttft_objective
     p.add_argument("--config", metavar="FILE",
                    help="YAML config file (see examples/kneegate.yaml; default: none, every "
-                   "setting at its default)")
+                   "setting at its default; env KNEEGATE_CONFIG)")
     p.add_argument("--upstream", action="append", metavar="URL",
                    help="engine base URL; repeat for several (replaces the file's list; "
-                   "default: none, the built-in emulator)")
-    p.add_argument("--host", help=f"bind address (default: {srv.host}; 0.0.0.0 in a container)")
-    p.add_argument("--port", type=int, help=f"listen port (default: {srv.port}; 0 picks one)")
+                   "default: none, the built-in emulator; env KNEEGATE_UPSTREAM)")
+    p.add_argument("--host", help=f"bind address (default: {srv.host}; 0.0.0.0 in a container; "
+                   "env KNEEGATE_HOST)")
+    p.add_argument("--port", type=int, help=f"listen port (default: {srv.port}; 0 picks one; "
+                   "env KNEEGATE_PORT)")
     p.add_argument("--admin-port", type=int, metavar="PORT",
                    help="serve /metrics, /kneegate/*, /health and /ready on this port too; "
-                   "the API port then answers the admin paths 404 (default: none)")
+                   "the API port then answers the admin paths 404 (default: none; "
+                   "env KNEEGATE_ADMIN_PORT)")
     p.add_argument("--controller", choices=sorted(CONTROLLERS),
                    help="controller for every upstream: knee learns the limit, fixed pins it "
                    "(with --limit) (default: knee)")
@@ -103,20 +126,43 @@ def apply_flags(cfg: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
     return parse_config(data, "command line")
 
 
+def from_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Fill each of `ENVIRONMENT`'s settings that no flag gave from `environ` (an empty
+    variable counts as unset); a value that is no port number raises ConfigError naming it."""
+    for key, var in ENVIRONMENT.items():
+        text = environ.get(var, "").strip()
+        if not text or getattr(args, key, None) is not None:
+            continue
+        if key == "upstream":
+            value: Any = [u.strip() for u in text.split(",") if u.strip()]
+        elif key.endswith("port"):
+            if not text.isdigit() or int(text) > 65535:
+                raise ConfigError("environment", var, f"{text!r} is not a port number")
+            value = int(text)
+        else:
+            value = text
+        setattr(args, key, value)
+
+
 def _load(args: argparse.Namespace) -> GatewayConfig:
     base = load_config(args.config) if args.config else GatewayConfig()
     return apply_flags(base, args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kneegate.embedded import emulator_app
+    from kneegate.embedded import emulator_app, emulator_installed
     from kneegate.gateway.server.workers import run
 
+    from_environment(args, os.environ)
     cfg = _load(args)
     read_admin_token(cfg, args.config or "command line")  # an unreadable token file stops here
+    if not cfg.upstreams and not emulator_installed():
+        raise ConfigError("command line", "upstreams", "none named, and the built-in emulator "
+                          "is not installed here (an install without the load tools, as the "
+                          "container image): give one with --upstream URL or KNEEGATE_UPSTREAM")
     configure_logging(cfg.server.log_format)
     return run(cfg, prepare=lambda c: apply_flags(c, args), config_path=args.config,
-               engine=emulator_app)
+               engine=emulator_app if emulator_installed() else None)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -135,7 +181,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kneegate.benchmarks.demo import run_demo  # the load tools and the emulator: asked for only
 
     configure_logging("text")
-    return int(run_demo(load=args.load, seconds=args.seconds, profile=args.profile))
+    return int(run_demo(load=args.load, seconds=args.seconds, profile=args.profile,
+                        plot=Path(args.plot) if args.plot else None))
 
 
 def _lazy(module: str, func: str = "main") -> Callable[[list[str]], int]:
@@ -167,7 +214,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kneegate", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="version", version=f"kneegate {version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the gateway", description=SERVE_HELP)
+    serve = sub.add_parser("serve", help="run the gateway", description=SERVE_HELP,
+                           epilog=SERVE_EPILOG)
     _serve_parser(serve)
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check-config", help="validate a config file")
@@ -178,25 +226,34 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--load", type=float, default=3.0, help="x the engine's capacity")
     demo.add_argument("--seconds", type=float, default=20.0, help="measured, per arm")
     demo.add_argument("--profile", default="cpu-tiny", help="the emulator's engine profile")
+    demo.add_argument("--plot", default="kneegate-demo.png", metavar="FILE",
+                      help="where to draw the learned curve, its knee and the limit (with "
+                      "matplotlib: the plots extra); '' draws nothing")
     demo.set_defaults(func=cmd_demo)
     for name in PASSTHROUGH:
         sub.add_parser(name, help=f"benchmarks: {name} (its own --help)", add_help=False)
     return p
 
 
-# what the `bench` extra installs (pyproject.toml), by import name: a command that needs one
-# of them says how to install it instead of a traceback
-BENCH_MODULES = frozenset({"aiohttp", "numpy", "matplotlib"})
+# what the optional extras install (pyproject.toml), by import name: a command that needs one
+# of them says how to install it instead of a traceback. `bench`: the load tools' client;
+# `plots`: the pictures the sweep and the simulator write (and the demo, when it can)
+EXTRA_MODULES = {"aiohttp": "bench", "matplotlib": "plots"}
 
 
 def missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
     """The one line that tells how to install what `command` misses; None when `exc` is
-    not about the bench extra."""
-    module = (exc.name or "").partition(".")[0]
-    if module not in BENCH_MODULES:
+    about neither an extra nor the load tools."""
+    name = exc.name or ""
+    if name == "kneegate.benchmarks" or name.startswith("kneegate.benchmarks."):
+        return (f"kneegate {command} needs the load tools, which this install leaves out (the "
+                "container image does): run it from a clone or a pip install of kneegate")
+    module = name.partition(".")[0]
+    extra = EXTRA_MODULES.get(module)
+    if extra is None:
         return None
-    return (f"kneegate {command} needs the bench extra ({module} is not installed): "
-            "pip install 'kneegate[bench]' (in a clone: pip install -e '.[bench]')")
+    return (f"kneegate {command} needs the {extra} extra ({module} is not installed): "
+            f"pip install 'kneegate[{extra}]' (in a clone: pip install -e '.[{extra}]')")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,9 +6,18 @@ upstreams never imports the load tools.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
-__all__ = ["emulator_app"]
+__all__ = ["emulator_app", "emulator_installed"]
+
+
+def emulator_installed() -> bool:
+    """Whether the emulator is here: the container image leaves the load tools out."""
+    try:
+        return importlib.util.find_spec("kneegate.benchmarks.engine") is not None
+    except ModuleNotFoundError:  # kneegate.benchmarks itself is missing
+        return False
 
 
 def emulator_app() -> Any:

@@ -12,7 +12,9 @@ unmeasured, until every measured one has its answer or gave up: the direct arm's
 wait longest, so its finishing lines are more). At the end the two arms side by side,
 judged by the user's clock: goodput is the output of the users sent in the measured window
 whose first token came within the objective (2 s) of sending; under the share served, its
-ceiling at that load (capacity / load: 33% at 3x).
+ceiling at that load (capacity / load: 33% at 3x). Then what kneegate learned: its curve of the
+engine, the knee and where the limit sits on it (`benchmarks.learned`), drawn into `plot`
+as well when matplotlib is installed.
 
 The machinery is `benchmarks.overload` (one cell of its table per arm); this module adds
 the running commentary and the side-by-side summary. Bounded: the capacity run, and per arm
@@ -24,10 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from kneegate.benchmarks.learned import curve_lines, picture
 from kneegate.benchmarks.overload import (
     Arm,
     Record,
@@ -162,10 +166,23 @@ def _table(rows: dict[str, dict[str, Any]], served: dict[str, tuple[int, float]]
     return out
 
 
+def _learned(last: dict[str, Any], plot: Path | None) -> list[str]:
+    """What kneegate learned, as lines; the picture drawn into `plot` when it can be."""
+    if not last.get("upstreams"):
+        return []
+    up = last["upstreams"][0]
+    lines = ["", *curve_lines(up)]
+    if plot is not None and up["controller"].get("curve"):
+        lines.append(f"the same, drawn: {plot}" if picture(up, plot) else
+                     f"(with matplotlib, pip install 'kneegate[plots]', it is drawn in {plot})")
+    return lines
+
+
 def run_demo(load: float = 3.0, seconds: float = 20.0, profile: str = "cpu-tiny",
-             drain: float = 25.0) -> int:
+             drain: float = 25.0, plot: Path | None = None) -> int:
     """Run the demo; returns an exit status. Takes about 2 x (seconds + 5) + drain + 15 s.
-    Each arm prints a line a second, labelled with its phase: warm-up, measured, finishing."""
+    Each arm prints a line a second, labelled with its phase: warm-up, measured, finishing;
+    at the end the two side by side, then kneegate's learned curve (drawn into `plot` too)."""
     args = _settings(load, seconds, profile, drain)
     print(f"measuring the engine ({profile} emulator) alone: {args.capacity_streams} streams, "
           f"{args.capacity_seconds:g} s ...", flush=True)
@@ -190,6 +207,6 @@ def run_demo(load: float = 3.0, seconds: float = 20.0, profile: str = "cpu-tiny"
                                    args.objective)
         served[arm.name] = _served(users, args.objective, args.seconds)
     print()
-    for line in _table(rows, served, last, args, load):
+    for line in [*_table(rows, served, last, args, load), *_learned(last, plot)]:
         print(line)
     return 0

@@ -102,15 +102,15 @@ def _wait_port(port: int, seconds: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def _process(cmd: list[str], ready: str | int, env: dict[str, str] | None = None
-             ) -> Iterator[subprocess.Popen[bytes]]:
+def _process(cmd: list[str], ready: str | int, env: dict[str, str] | None = None,
+             start_s: float = 20.0) -> Iterator[subprocess.Popen[bytes]]:
     # never read: a pipe would fill and block the child (a gateway logs a line per request)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         if isinstance(ready, int):
-            _wait_port(ready)
+            _wait_port(ready, start_s)
         else:
-            _wait_http(ready)
+            _wait_http(ready, start_s)
         yield proc
     finally:
         proc.terminate()

@@ -27,6 +27,9 @@ Arms (`--arms`, comma-separated):
                   or a short closed-loop sweep of the engine (`--sweep-levels`, the 5% rule and
                   the 20% back-off of benchmarks.sweep; keep each step longer than one answer
                   at the top level, or that level reads low)
+  litellm, litellm-N, vllm-router, vllm-router-N
+                  the gateways a vLLM user would pick instead (benchmarks.peers; installed
+                  apart, named with `--peer-bin DIR`; not among the default arms)
 
 `--rounds N` runs every arm N times per load, round by round (round r's arrivals drawn with
 the seed + 7919 r, the same for every arm in it), then prints each arm's medians: goodput,
@@ -109,6 +112,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
 from kneegate.benchmarks.overhead import _free_port, _process
+from kneegate.benchmarks.peers import Peer, find, parse_peer
+from kneegate.benchmarks.peers import serving as peer_serving
 from kneegate.benchmarks.sweep import run_sweep
 
 __all__ = ["Arm", "Record", "gateway_medians", "late_ticks", "main", "metric_totals", "parse_arms",
@@ -124,6 +129,7 @@ class Arm:
     name: str
     engine_flags: tuple[str, ...] = ()
     gateway_flags: tuple[str, ...] | None = None  # None: the client talks to the engine
+    peer: Peer | None = None  # another gateway in front of the engine (benchmarks.peers)
 
 
 _MINTED = itertools.count(1)  # the keys minted by `--keys NAME*:SHARE` users
@@ -166,9 +172,15 @@ class _Client:
                  window: tuple[float, float]):
         self.session, self.args, self.window = session, args, window
         self.endpoint = url.rstrip("/") + "/v1/completions"
-        self.body = {  # token ids, as loadgen sends them: the prompt length is exact
+        # token ids, as loadgen sends them: the prompt length is exact; as text (LiteLLM
+        # takes no ids), 4 bytes a token: exact as the emulator counts text (getattr: the
+        # other tools that use this client parse flags of their own)
+        text = getattr(args, "text_prompt", False)
+        prompt: str | list[int] = ("abcd" * args.prompt_tokens if text else
+                                   [100 + i % 1000 for i in range(args.prompt_tokens)])
+        self.body = {
             "model": args.model or args.profile,
-            "prompt": [100 + i % 1000 for i in range(args.prompt_tokens)],
+            "prompt": prompt,
             "max_tokens": args.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -213,7 +225,7 @@ class _Client:
                 break
             if b'"usage":{' in line:
                 usage = int(json.loads(line[6:])["usage"]["completion_tokens"])
-            elif b'"choices":[{' in line:
+            elif b'"choices":[{' in line and b'"text"' in line:  # LiteLLM: an empty last one
                 now = time.monotonic()
                 if rec.ttft is None:
                     rec.ttft = now - sent
@@ -497,8 +509,11 @@ def parse_arms(text: str, valves: list[int], fixed_limit: int | None) -> list[Ar
                 raise ValueError("kneegate-fixed needs a limit (--fixed-limit or the sweep)")
             arms.append(Arm(name, gateway_flags=("--controller", "fixed", "--limit",
                                                  str(fixed_limit))))
+        elif (peer := parse_peer(name)) is not None:
+            arms.append(Arm(name, peer=peer))
         else:
-            raise ValueError(f"unknown arm {name!r}: one of {', '.join(ARMS)} or valve-N")
+            raise ValueError(f"unknown arm {name!r}: one of {', '.join(ARMS)}, valve-N, "
+                             "litellm[-N] or vllm-router[-N]")
     return arms
 
 
@@ -544,10 +559,17 @@ def engine_holds(url: str) -> float | None:
 
 @contextlib.contextmanager
 def _serving(arm: Arm, profile: str, upstream: str | None = None,
-             start_vllm: bool = False) -> Iterator[str]:
+             start_vllm: bool = False, model: str | None = None,
+             peer_bin: Path | None = None) -> Iterator[str]:
     """A fresh engine (and gateway) for one cell; yields the URL the users talk to.
     With `upstream`, that running engine instead of a fresh emulator; with `start_vllm` as
-    well, an arm with engine flags (the valve) gets a vLLM of its own started with them."""
+    well, an arm with engine flags (the valve) gets a vLLM of its own started with them.
+    A peer arm puts that gateway (from `peer_bin`) in front of the engine."""
+    if arm.peer is not None:
+        with _serving(Arm("direct"), profile, upstream, start_vllm) as engine_url, \
+                peer_serving(arm.peer, engine_url, model or profile, peer_bin) as url:
+            yield url
+        return
     if upstream is not None:
         if not arm.engine_flags:
             _wait_idle(upstream)
@@ -682,7 +704,8 @@ def _run(args: argparse.Namespace) -> Report:
                 # every arm of a round meets the same arrivals; each round draws its own
                 seed = args.seed + int(load * 1000) + _ROUND_SEED * rnd
                 late: list[float] = []
-                with _serving(arm, args.profile, args.upstream, args.start_vllm) as url:
+                with _serving(arm, args.profile, args.upstream, args.start_vllm, args.model,
+                              args.peer_bin) as url:
                     recs = asyncio.run(run_cell(url, rate, args, seed=seed, watched=watched,
                                                 late=late))
                 s = summarize(recs, args.seconds, rep.capacity_tok_s, args.objective,
@@ -803,6 +826,12 @@ def parser() -> argparse.ArgumentParser:
                     help="run every arm this many times per load, in turn, and print each "
                     "arm's medians (ratios taken within a round): for an engine whose speed "
                     "drifts between runs, as vLLM's CPU build does by +-10%%")
+    ap.add_argument("--peer-bin", type=Path, metavar="DIR",
+                    help="where the peer arms' programs are (litellm, vllm-router: installed "
+                    "apart, e.g. .venv-compare/bin); default: the PATH")
+    ap.add_argument("--text-prompt", action="store_true",
+                    help="send the prompt as text (4 bytes a token, as the emulator counts "
+                    "it), not token ids; on with a litellm arm, which takes no ids")
     ap.add_argument("--json", type=Path, help="write the run (rows and settings) here")
     return ap
 
@@ -813,9 +842,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.argv = argv
     try:
-        parse_arms(args.arms, [1], 1)
+        arms = parse_arms(args.arms, [1], 1)
     except ValueError as exc:
         ap.error(str(exc))
+    for peer in {a.peer.program for a in arms if a.peer is not None}:
+        find(peer, args.peer_bin)  # a missing one stops the run now, saying what to install
+    if any(a.peer is not None and a.peer.program == "litellm" for a in arms):
+        args.text_prompt = True  # every arm meets the same requests
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     rep = run(args)

@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         levels = parse_levels(args.levels, args.start, args.step, args.stop)
     except ValueError as exc:
         ap.error(str(exc))
+    import matplotlib  # noqa: F401  (the picture at the end needs the plots extra: say so now)
+
     points, knee = asyncio.run(
         run_sweep(
             args.url,

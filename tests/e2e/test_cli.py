@@ -252,12 +252,41 @@ def test_a_command_that_needs_the_bench_extra_says_how_to_install_it() -> None:
     assert "pip install 'kneegate[bench]'" in line
 
 
-def test_the_bench_modules_are_the_bench_extra() -> None:
-    from kneegate.cli import BENCH_MODULES
+def test_the_extra_modules_are_the_extras() -> None:
+    from kneegate.cli import EXTRA_MODULES
 
-    extra = [r for r in importlib.metadata.requires("kneegate") or []
-             if r.replace(" ", "").endswith('extra=="bench"')]
-    assert {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0] for r in extra} == BENCH_MODULES
+    def extra(name: str) -> set[str]:
+        marker = f'extra=="{name}"'
+        return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0]
+                for r in importlib.metadata.requires("kneegate") or []
+                if r.replace(" ", "").endswith(marker)}
+
+    assert extra("bench") == {m for m, e in EXTRA_MODULES.items() if e == "bench"}
+    assert extra("plots") == {m for m, e in EXTRA_MODULES.items() if e == "plots"}
+
+
+def test_a_picture_without_the_plots_extra_says_how_to_install_it() -> None:
+    code = ("import sys; sys.modules['matplotlib'] = None; from kneegate.cli import main; "
+            "sys.exit(main(['sweep', '--url', 'http://127.0.0.1:9', '--levels', '1']))")
+    out = run_cli(code=code)
+    assert out.returncode == 2
+    assert one_line(out).startswith("kneegate sweep needs the plots extra (matplotlib is not "
+                                    "installed): pip install 'kneegate[plots]'")
+
+
+def test_without_the_load_tools_the_demo_and_an_unnamed_upstream_are_one_line() -> None:
+    # as in the container image, which leaves kneegate/benchmarks out
+    gone = "import sys; sys.modules['kneegate.benchmarks'] = None; from kneegate.cli import main; "
+    demo = run_cli(code=gone + "sys.exit(main(['demo']))")
+    assert demo.returncode == 2
+    assert one_line(demo).startswith("kneegate demo needs the load tools, which this install "
+                                     "leaves out")
+    serve = run_cli(code=gone + f"sys.exit(main(['serve', '--port', '{free_port()}']))")
+    assert serve.returncode == 2
+    assert one_line(serve) == (
+        "kneegate: invalid config: command line: upstreams: none named, and the built-in "
+        "emulator is not installed here (an install without the load tools, as the container "
+        "image): give one with --upstream URL or KNEEGATE_UPSTREAM")
 
 
 def test_version() -> None:
@@ -280,3 +309,54 @@ def test_serve_help_shows_the_defaults_and_the_controllers() -> None:
         assert default in text
     assert "{" + ",".join(sorted(CONTROLLERS)) + "}" in text
     assert "..." not in text
+
+
+# --- the environment: what a container is configured by -----------------------------------
+
+def test_the_environment_fills_what_no_flag_gives() -> None:
+    from kneegate.cli import _parser, from_environment
+
+    args = _parser().parse_args(["serve", "--port", "9000"])
+    from_environment(args, {"KNEEGATE_UPSTREAM": "http://a:8000, http://b:8000",
+                            "KNEEGATE_PORT": "8081", "KNEEGATE_HOST": "0.0.0.0",
+                            "KNEEGATE_ADMIN_PORT": "", "KNEEGATE_CONFIG": "/etc/k.yaml"})
+    assert args.upstream == ["http://a:8000", "http://b:8000"]
+    assert args.port == 9000  # the flag wins
+    assert args.host == "0.0.0.0" and args.config == "/etc/k.yaml"
+    assert args.admin_port is None  # empty: unset
+
+
+def test_a_port_in_the_environment_that_is_no_number_is_one_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "kneegate", "serve"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "KNEEGATE_PORT": "80a"})
+    assert out.returncode == 2
+    assert one_line(out) == ("kneegate: invalid config: environment: KNEEGATE_PORT: '80a' is "
+                             "not a port number")
+
+
+async def test_serve_configured_by_the_environment_alone() -> None:
+    port = free_port()
+    env = {**os.environ, "KNEEGATE_PORT": str(port), "KNEEGATE_HOST": "127.0.0.1"}
+    async with engine() as up, httpx.AsyncClient() as client:
+        env["KNEEGATE_UPSTREAM"] = up
+        with subprocess.Popen([sys.executable, "-m", "kneegate", "serve"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+            url = f"http://127.0.0.1:{port}"
+            try:
+                await until_up(client, url, proc)
+                status = (await client.get(url + "/kneegate/status")).json()
+                assert [u["url"] for u in status["upstreams"]] == [up]
+                r = await client.post(url + "/v1/completions", json={"max_tokens": 2})
+                assert r.status_code == 200
+            finally:
+                stopped(proc)
+
+
+def test_serve_help_names_the_environment() -> None:
+    from kneegate.cli import ENVIRONMENT
+
+    out = run_cli("serve", "--help")
+    text = " ".join(out.stdout.split())
+    for var in ENVIRONMENT.values():
+        assert f"env {var})" in text or f"env {var};" in text, var
+        assert var in text[text.index("environment (a flag overrides it"):]
