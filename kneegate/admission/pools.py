@@ -106,6 +106,9 @@ class Pools:
         self._on_error: Callable[[UpstreamState, str, Exception], None] | None = None
         self.closed = False
         self.configure_queue: Callable[[AdmissionQueue], None] = configure or (lambda q: None)
+        # some pool routes by prefix affinity: requests should carry their prefix keys (kept
+        # here, read on every request, set whenever the queues are configured)
+        self.affinity_on = False
         self.regroup(upstreams)
 
     # --- configuration -------------------------------------------------------------
@@ -132,6 +135,7 @@ class Pools:
         for q in self.queues():
             q.reconfigure(self.classes, max_queue, q.upstreams,
                           (self.retry_after_min, self.retry_after_max))
+        self.configure()
 
     def regroup(self, upstreams: list[UpstreamState] | None = None) -> None:
         """Group the upstreams (those given, else the same ones, their models read again)
@@ -153,6 +157,13 @@ class Pools:
         self.pools = pools
         self._by_model = {m: p for p in pools for m in p.models}
         self._by_upstream = {id(u): p.queue for p in pools for u in p.upstreams}
+        self.affinity_on = any(p.queue.affinity is not None for p in pools)
+
+    def configure(self) -> None:
+        """Apply `configure_queue` to every queue again (the config changed)."""
+        for q in self.queues():
+            self.configure_queue(q)
+        self.affinity_on = any(p.queue.affinity is not None for p in self.pools)
 
     def _queue(self, upstreams: list[UpstreamState]) -> AdmissionQueue:
         q = AdmissionQueue(list(upstreams), self.classes, self.max_queue,
@@ -179,10 +190,7 @@ class Pools:
             return pools[0]
         return None if model is None else self._by_model.get(model)
 
-    @property
-    def affinity_on(self) -> bool:
-        """Some pool routes by prefix affinity: requests should carry their prefix keys."""
-        return any(p.queue.affinity is not None for p in self.pools)
+
 
     @property
     def models(self) -> list[str]:

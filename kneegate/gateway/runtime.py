@@ -136,8 +136,7 @@ class Gateway:
     def _regroup(self) -> None:
         """What an upstream serves changed: the pools again, each configured."""
         self.queue.regroup()
-        for q in self.queue.queues():
-            self._configure(q)
+        self.queue.configure()
         self.gate.pump()
 
     def demand(self, now: float) -> list[tuple[str, DemandEstimate | None]]:
@@ -242,9 +241,7 @@ class Gateway:
         ups = self.pool.reload(_upstreams(new))
         self.config = new  # what `_configure` reads for every pool
         self.queue.reconfigure(_policies(new), new.max_queue, list(ups),
-                               (new.retry_after_min, new.retry_after_max))
-        for q in self.queue.queues():
-            self._configure(q)
+                               (new.retry_after_min, new.retry_after_max))  # configures them
         self.metrics.set_objectives(_objectives(new))
         self.client.set_connect_timeout(new.timeouts.connect)
         self.proxy.settings = ProxySettings.from_config(new, self.proxy.settings)

@@ -58,6 +58,8 @@ async def test_each_request_reaches_an_engine_that_serves_its_model() -> None:
         assert total(m, "kneegate_requests_admitted_total", upstream="llama-0") == 12
         assert total(m, "kneegate_requests_admitted_total", upstream="qwen-0") == 12
         assert_conserved(m)
+        assert total(m, "kneegate_upstream_model", upstream="llama-0", model="llama") == 1
+        assert total(m, "kneegate_upstream_model", upstream="llama-0", model="qwen") == 0
         pools = app.gateway.status()["pools"]
         assert [p["models"] for p in pools] == [["llama"], ["qwen"]]
 

@@ -43,6 +43,7 @@ class LiveUpstream(Protocol):
     usable: bool
     prefilling: int  # streamed requests in flight with no first token yet
     prefill_cap: int  # at most this many of them (0: no cap yet)
+    models: dict[str, int | None] | None  # what it serves, where known
 
     @property
     def limit(self) -> int: ...
@@ -134,6 +135,10 @@ class LiveCollector(Collector):
                 "kneegate_prefill_cap",
                 "Most streamed requests awaiting a first token per upstream (0: no cap yet)",
                 labels=["upstream"]),
+            "models": GaugeMetricFamily(
+                "kneegate_upstream_model", "1 for each model an upstream serves (its "
+                "/v1/models, or the config's); join on `upstream` for a series by model",
+                labels=["upstream", "model"]),
         }
         engine = _engine_families()
         now = self._clock()
@@ -145,6 +150,8 @@ class LiveCollector(Collector):
             families["knee"].add_metric([u.name], math.nan if knee is None else knee)
             families["prefilling"].add_metric([u.name], u.prefilling)
             families["prefill_cap"].add_metric([u.name], u.prefill_cap)
+            for model in u.models or ():
+                families["models"].add_metric([u.name, model], 1.0)
             t = u.telemetry(now)
             if t is not None:
                 _add_engine(engine, u.name, t)
