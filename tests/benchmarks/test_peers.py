@@ -55,3 +55,13 @@ def test_vllm_router_takes_the_engine_and_its_limits_by_flag(tmp_path: Path) -> 
                    "127.0.0.1", "--port", "8002", "--log-level", "warning",
                    "--max-concurrent-requests", "16", "--queue-size", "32"]
     assert ready == "http://127.0.0.1:8002/health"
+
+
+def test_the_relay_cost_run_refuses_an_unknown_or_missing_peer_before_any_cell(
+        tmp_path: Path) -> None:
+    from kneegate.benchmarks.overhead_peers import run
+
+    with pytest.raises(SystemExit, match="unknown peer 'envoy'"):
+        run(["short"], [16], 1.0, ["envoy"], tmp_path)
+    with pytest.raises(SystemExit, match="pip install vllm-router"):
+        run(["short"], [16], 1.0, ["vllm-router"], tmp_path)  # an empty bin folder
