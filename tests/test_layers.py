@@ -153,8 +153,6 @@ MAX_LINES = 400
 OVER_MAX = {
     "kneegate/admission/fairness.py",
     "kneegate/admission/queue.py",
-    "kneegate/benchmarks/overload.py",
-    "kneegate/benchmarks/simulate.py",
     "kneegate/controllers/knee/curve.py",
     "kneegate/controllers/knee/policy.py",
 }

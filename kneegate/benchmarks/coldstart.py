@@ -26,7 +26,9 @@ from collections import Counter
 
 import aiohttp
 
-from kneegate.benchmarks.overload import Arm, Record, _Client, _pct, _serving
+from kneegate.benchmarks.arms import Arm, _serving
+from kneegate.benchmarks.figures import _pct
+from kneegate.benchmarks.openloop import Record, _Client
 
 __all__ = ["main", "run_loop"]
 

@@ -47,8 +47,8 @@ from typing import Any
 
 import aiohttp
 
+from kneegate.benchmarks.openloop import metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
-from kneegate.benchmarks.overload import metric_totals
 
 __all__ = ["ARMS", "main", "run_cell"]
 

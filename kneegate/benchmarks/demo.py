@@ -31,16 +31,11 @@ from typing import Any
 
 import aiohttp
 
+from kneegate.benchmarks.arms import Arm, _serving
+from kneegate.benchmarks.figures import summarize
 from kneegate.benchmarks.learned import curve_lines, picture
-from kneegate.benchmarks.overload import (
-    Arm,
-    Record,
-    _measure_engine,
-    _serving,
-    parser,
-    run_cell,
-    summarize,
-)
+from kneegate.benchmarks.openloop import Record, run_cell
+from kneegate.benchmarks.overload import _measure_engine, parser
 
 __all__ = ["run_demo"]
 

@@ -41,8 +41,8 @@ from typing import Any
 
 import aiohttp
 
+from kneegate.benchmarks.openloop import Record, _Client, metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
-from kneegate.benchmarks.overload import Record, _Client, metric_totals
 
 __all__ = ["CASES", "main"]
 

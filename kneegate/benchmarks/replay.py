@@ -59,7 +59,9 @@ from typing import Any
 import aiohttp
 
 from kneegate.benchmarks import trace
-from kneegate.benchmarks.overload import Arm, Record, _Client, _fmt, _serving, summarize
+from kneegate.benchmarks.arms import Arm, _serving
+from kneegate.benchmarks.figures import _fmt, summarize
+from kneegate.benchmarks.openloop import Record, _Client
 
 __all__ = ["BUCKETS", "arms", "by_bucket", "main", "run"]
 
@@ -297,7 +299,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity-seconds", type=float, default=20.0)
     ap.add_argument("--capacity-warmup", type=float, default=5.0)
     ap.add_argument("--json", type=Path, help="write the run here")
-    ap.set_defaults(prompt_tokens=1, max_tokens=1)  # `overload._Client`'s own body, unused
+    ap.set_defaults(prompt_tokens=1, max_tokens=1)  # `openloop._Client`'s own body, unused
     return ap
 
 

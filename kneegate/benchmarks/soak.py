@@ -35,8 +35,8 @@ from pathlib import Path
 import aiohttp
 
 from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
+from kneegate.benchmarks.openloop import metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
-from kneegate.benchmarks.overload import metric_totals
 
 __all__ = ["SoakResult", "main", "run_soak"]
 

@@ -11,7 +11,8 @@ import statistics
 
 import pytest
 
-from kneegate.benchmarks.simulate import Phase, Result, load_scenario, run
+from kneegate.benchmarks.sim.scenarios import Phase
+from kneegate.benchmarks.simulate import Result, load_scenario, run
 
 SLOWDOWN_AT = 45.0
 

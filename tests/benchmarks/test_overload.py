@@ -16,21 +16,10 @@ from typing import Any
 
 import pytest
 
-from kneegate.benchmarks.overload import (
-    Record,
-    _wait_idle,
-    engine_holds,
-    late_ticks,
-    main,
-    parse_arms,
-    parse_keys,
-    parser,
-    per_key,
-    round_medians,
-    run_cell,
-    summarize,
-    valve_sizes,
-)
+from kneegate.benchmarks.arms import _wait_idle, engine_holds, parse_arms, valve_sizes
+from kneegate.benchmarks.figures import per_key, round_medians, summarize
+from kneegate.benchmarks.openloop import Record, late_ticks, parse_keys, run_cell
+from kneegate.benchmarks.overload import main, parser
 
 
 def test_summarize_judges_by_the_users_clock() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kneegate.benchmarks.overload import Arm, parse_arms
+from kneegate.benchmarks.arms import Arm, parse_arms
 from kneegate.benchmarks.peers import INSTALL, Peer, command, find, parse_peer
 
 

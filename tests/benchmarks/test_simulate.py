@@ -11,14 +11,14 @@ from kneegate.benchmarks import trace
 from kneegate.benchmarks.engine.core import EngineCore
 from kneegate.benchmarks.engine.profiles import Profile, load_profile
 from kneegate.benchmarks.engine.virtual import closed_loop
+from kneegate.benchmarks.sim.arrivals import _arrivals
+from kneegate.benchmarks.sim.goodput import goodput
+from kneegate.benchmarks.sim.oracle import Oracle
 from kneegate.benchmarks.simulate import (
     TRACE_STRIDE,
     WAIT_CAPS,
-    Oracle,
-    _arrivals,
     engine_ttft,
     fixed_pair,
-    goodput,
     judge,
     load_scenario,
     main,

@@ -7,9 +7,9 @@ import pytest
 
 from kneegate.admission.fairness import jain_index
 from kneegate.benchmarks.minting import compare, newcomers, served
+from kneegate.benchmarks.sim.goodput import goodput
 from kneegate.benchmarks.simulate import (
     Tenant,
-    goodput,
     load_scenario,
     run,
     tenant_rows,

@@ -33,7 +33,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kneegate.benchmarks.overload import _child, _free_port
+from kneegate.benchmarks.arms import _child
+from kneegate.benchmarks.overhead import _free_port
 
 pytestmark = pytest.mark.browser
 

@@ -20,7 +20,7 @@ import pytest
 from helpers.gateway import gw_config, scrape, serve, total, until
 from vllm_server import VllmServer
 
-from kneegate.benchmarks.overload import late_ticks
+from kneegate.benchmarks.openloop import late_ticks
 from kneegate.gateway.app import build_app
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.anyio]
