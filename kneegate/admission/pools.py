@@ -17,9 +17,10 @@ the pool it concerns: the ticket's (`Ticket.pool`, set on offer) or the upstream
 and tenants apply across pools: every pool applies the same classes, and a tenant's caps
 (`max_inflight`, `tokens_per_minute`) count its requests in every pool.
 
-`regroup` (after a reload, or when an upstream's models are read) keeps the queue of a pool
-whose upstreams are unchanged; a pool that no longer exists drains: its queued requests are
-still dispatched, each only to an upstream serving its model, and it is dropped once empty.
+`regroup` (after a reload, or when an upstream's models are read) hands each new pool the
+queue of the old pool it shares the most upstreams with (a reload that adds a replica keeps
+its pool's queue, rates and demand); an old pool none takes drains: its requests in flight
+end there, and it is dropped once empty.
 """
 
 from __future__ import annotations
@@ -139,21 +140,24 @@ class Pools:
 
     def regroup(self, upstreams: list[UpstreamState] | None = None) -> None:
         """Group the upstreams (those given, else the same ones, their models read again)
-        into pools; a pool whose upstreams are unchanged keeps its queue."""
+        into pools. A new pool takes over the queue (its queued requests, rates and demand)
+        of the old pool it shares the most upstreams with, so a reload that adds or drops a
+        replica keeps its pool's state; a pool sharing none gets a new queue."""
         if upstreams is not None:
             self.upstreams = list(upstreams)
-        kept = {p.names: p for p in self.pools}
+        old_pools = list(self.pools)
         pools: list[Pool] = []
         for members in group(self.upstreams):
             names = frozenset(u.name for u in members)
-            old = kept.pop(names, None)
-            if old is not None:
+            old = max(old_pools, key=lambda p: len(p.names & names), default=None)
+            if old is not None and old.names & names:
+                old_pools.remove(old)
                 old.upstreams = members
                 old.queue.upstreams = list(members)
                 pools.append(old)
             else:
                 pools.append(Pool(members, self._queue(members)))
-        self._draining += [p.queue for p in kept.values() if _busy(p.queue)]
+        self._draining += [p.queue for p in old_pools if _busy(p.queue)]
         self.pools = pools
         self._by_model = {m: p for p in pools for m in p.models}
         self._by_upstream = {id(u): p.queue for p in pools for u in p.upstreams}

@@ -115,3 +115,16 @@ def test_a_tick_times_out_each_pools_own_queue() -> None:
     pools.offer(late, 0.0)
     dispatched, expired = pools.tick(10.0)
     assert dispatched == [] and expired == [late]
+
+
+def test_a_pool_that_gains_a_replica_keeps_its_queue_and_what_waits_in_it() -> None:
+    a, b = up("a", 1, "llama"), up("b", 1, "llama")
+    pools = Pools([a], CLASSES)
+    first = ticket("llama")
+    assert isinstance(pools.offer(first, 0.0), Admitted)
+    waiting = ticket("llama", 0.1)
+    assert isinstance(pools.offer(waiting, 0.1), Queued)
+    queue = pools.pools[0].queue
+    pools.reconfigure(CLASSES, 256, [a, b])  # a reload adds a replica
+    assert pools.pools[0].queue is queue and len(pools.queues()) == 1
+    assert pools.pump(0.2) == [waiting] and waiting.upstream is b
