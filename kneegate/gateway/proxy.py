@@ -199,7 +199,8 @@ class Proxy:
         if size.generation and self.gate.queue.pool_of(size.model) is None:  # never queued
             if size.model is None:
                 raise ModelRequired(f"name a model: {', '.join(self.gate.queue.models)}")
-            raise ModelNotFound(f"The model `{size.model}` does not exist.")
+            raise ModelNotFound(f"The model `{size.model}` does not exist. Available models: "
+                                f"{', '.join(self.gate.queue.models)}.")
         if size.generation:
             context = self.pool.context(size.model)
             why = None if context is None else over_context(size, context)

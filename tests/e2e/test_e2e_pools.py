@@ -73,6 +73,8 @@ async def test_an_unknown_model_is_answered_404_at_once_and_never_queued() -> No
         assert r.status_code == 404
         assert r.json()["error"]["code"] == "model_not_found"
         assert r.json()["error"]["param"] == "model"
+        assert r.json()["error"]["message"] == (
+            "The model `gpt-4` does not exist. Available models: llama, qwen.")
         assert took < 1.0  # answered by the gateway: no engine, no queue
         nameless = await raw.post(gw + "/v1/completions", json={"prompt": "hi"})
         assert nameless.status_code == 400

@@ -71,8 +71,7 @@ async def test_gateway_relays_the_same_tokens_as_direct(
 
 @pytest.mark.parametrize("body", [
     {"model": "tiny", "prompt": "x", "max_tokens": 4, "temperature": -1},  # 400
-    {"model": "no-such-model", "prompt": "x", "max_tokens": 4},  # 404
-], ids=["temperature", "model"])
+], ids=["temperature"])
 async def test_vllm_error_bodies_pass_through_unchanged(
     vllm: VllmServer, body: dict[str, Any]
 ) -> None:
@@ -89,6 +88,27 @@ async def test_vllm_error_bodies_pass_through_unchanged(
             assert relayed.headers["content-type"] == direct.headers["content-type"]
             assert direct.json()["error"]["code"] == direct.status_code
         assert app.gateway.pool.active[0].inflight == 0
+
+
+async def test_a_model_vllm_does_not_serve_is_answered_404_as_vllm_would_never_sent(
+    vllm: VllmServer,
+) -> None:
+    # the gateway knows what vLLM serves from its /v1/models: a model it does not list gets
+    # vLLM's status and message at once, in OpenAI's shape (code model_not_found), unsent
+    app = build_app(gw_config(vllm.url, limit=4))
+    body = {"model": "no-such-model", "prompt": "x", "max_tokens": 4}
+    async with serve(app) as gw, httpx.AsyncClient(timeout=30) as client:
+        await until(lambda: app.gateway.pool.context("tiny") == vllm.max_model_len, 30)
+        direct = await client.post(vllm.url + "/v1/completions", json=body)
+        relayed = await client.post(gw + "/v1/completions", json=body)
+        assert (relayed.status_code, direct.status_code) == (404, 404)
+        mine, theirs = relayed.json()["error"], direct.json()["error"]
+        first = theirs["message"].split(". ")[0]  # vLLM's: "The model `x` does not exist"
+        assert mine["message"].startswith(first + ". ") and mine["param"] == "model"
+        assert mine["message"].endswith("Available models: tiny.")
+        assert mine["code"] == "model_not_found"
+        m = scrape((await client.get(gw + "/metrics")).text)
+        assert total(m, "kneegate_requests_received_total") == 0
 
 
 async def test_a_request_over_the_context_is_refused_as_vllm_would_before_admission(
