@@ -243,7 +243,7 @@ class Pools:
         return self._of(ticket).requeue(ticket, now)
 
     def objective(self, ticket: Ticket) -> float:
-        return min(self.classes[ticket.cls].ttft_objective, ticket.ttft_objective)
+        return self._of(ticket).objective(ticket)
 
     def timeout_rejection(self, ticket: Ticket) -> Rejected:
         return self._of(ticket).timeout_rejection(ticket)

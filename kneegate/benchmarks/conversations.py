@@ -47,6 +47,7 @@ from typing import Any
 
 import aiohttp
 
+from kneegate.benchmarks.engine.protocol import token_text
 from kneegate.benchmarks.openloop import metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
 
@@ -80,8 +81,8 @@ def _text(tokens: int, tag: str) -> str:
 
 
 def _answer(n: int) -> str:
-    """The text the emulator streams for `n` tokens (benchmarks.engine.protocol)."""
-    return "".join(f" tok{i}" for i in range(1, n + 1))
+    """The text the emulator streams for `n` tokens."""
+    return "".join(token_text(i) for i in range(1, n + 1))
 
 
 class Conversations:

@@ -14,10 +14,6 @@ single worker; vllm-router's one process).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from kneegate.benchmarks import peers
@@ -25,10 +21,8 @@ from kneegate.benchmarks.overhead import (
     PROXY_CORES,
     Cell,
     _cell,
-    _free_port,
     _gateway,
     _pin,
-    _process,
     _upstream,
     print_table,
 )
@@ -36,20 +30,6 @@ from kneegate.benchmarks.overhead import (
 __all__ = ["main"]
 
 MODEL = "bench"  # what benchmarks.rawhttp's client names
-
-
-@contextlib.contextmanager
-def _peer(peer: peers.Peer, up_port: int, bin_dir: Path | None) -> Iterator[tuple[int, int]]:
-    """The peer in front of the raw upstream, pinned to the proxy's core: (port, pid)."""
-    path = peers.find(peer.program, bin_dir)
-    port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-           "LITELLM_LOG": "ERROR"}
-    with tempfile.TemporaryDirectory(prefix="kneegate-peer-") as tmp:
-        cmd, ready = peers.command(peer, path, f"http://127.0.0.1:{up_port}", port, MODEL,
-                                   Path(tmp))
-        with _process([*_pin(PROXY_CORES), *cmd], ready, env, start_s=peers.START_S) as proc:
-            yield port, proc.pid
 
 
 def run(shapes: list[str], concs: list[int], seconds: float, names: list[str],
@@ -69,8 +49,11 @@ def run(shapes: list[str], concs: list[int], seconds: float, names: list[str],
                 with _gateway(up, 1) as (gp, pid):
                     cells.append(_cell("kneegate", shape, conc, gp, seconds, pid))
                 for name, peer in arms:
-                    with _peer(peer, up, bin_dir) as (pp, pid):
-                        cells.append(_cell(name, shape, conc, pp, seconds, pid))
+                    url = f"http://127.0.0.1:{up}"
+                    with peers.started(peer, url, MODEL, bin_dir, _pin(PROXY_CORES)) as (
+                            peer_url, pid):
+                        port = int(peer_url.rsplit(":", 1)[1])
+                        cells.append(_cell(name, shape, conc, port, seconds, pid))
     return cells
 
 

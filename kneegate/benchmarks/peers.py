@@ -26,13 +26,13 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kneegate.benchmarks.overhead import _free_port, _process
 
-__all__ = ["INSTALL", "PEERS", "Peer", "find", "parse_peer", "serving"]
+__all__ = ["INSTALL", "PEERS", "Peer", "find", "parse_peer", "serving", "started"]
 
 # what each arm needs, exactly as checked (docs/compare.md): LiteLLM's `proxy` extra names
 # packages the package index lacks (litellm-proxy, litellm-proxy-extras at its pinned
@@ -102,13 +102,22 @@ def command(peer: Peer, path: str, upstream: str, port: int, model: str,
 
 
 @contextlib.contextmanager
-def serving(peer: Peer, upstream: str, model: str, bin_dir: Path | None) -> Iterator[str]:
-    """The peer gateway in front of `upstream`, until the block ends; yields its URL."""
+def started(peer: Peer, upstream: str, model: str, bin_dir: Path | None,
+            prefix: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
+    """The peer gateway in front of `upstream`, its command run under `prefix` (a `taskset`
+    pinning it), until the block ends; yields its URL and its process id."""
     path = find(peer.program, bin_dir)
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
            "LITELLM_LOG": "ERROR"}
     with tempfile.TemporaryDirectory(prefix="kneegate-peer-") as tmp:
         cmd, ready = command(peer, path, upstream, port, model, Path(tmp))
-        with _process(cmd, ready, env, start_s=START_S):
-            yield f"http://127.0.0.1:{port}"
+        with _process([*prefix, *cmd], ready, env, start_s=START_S) as proc:
+            yield f"http://127.0.0.1:{port}", proc.pid
+
+
+@contextlib.contextmanager
+def serving(peer: Peer, upstream: str, model: str, bin_dir: Path | None) -> Iterator[str]:
+    """The peer gateway in front of `upstream`, until the block ends; yields its URL."""
+    with started(peer, upstream, model, bin_dir) as (url, _):
+        yield url
