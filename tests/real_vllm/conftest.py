@@ -19,13 +19,14 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))  # vllm_server, also for benchmarks.calibrate_vllm's --start
 
-from vllm_server import HOME, VllmServer, running_vllm  # noqa: E402
+from vllm_server import HOME, MAX_MODEL_LEN, VllmServer, running_vllm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def vllm() -> Iterator[VllmServer]:
     if url := os.environ.get("KNEEGATE_VLLM_URL"):
-        yield VllmServer(url.rstrip("/"), -1, "tiny", 1024, HOME)  # started by vllm_server.py
+        # started by vllm_server.py
+        yield VllmServer(url.rstrip("/"), -1, "tiny", MAX_MODEL_LEN, HOME)
         return
     with running_vllm() as server:
         yield server

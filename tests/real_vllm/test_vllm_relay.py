@@ -8,7 +8,6 @@ text, finish reason and usage; anything the gateway added, dropped or re-encoded
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -155,34 +154,47 @@ async def wait_for(
     return counts
 
 
+# The disconnect test's answer: ~4-7 s of decoding at one client on 2 cores.
+LONG = 900
+# An attempt through which this process was kept off the CPU for longer than this, in one
+# stretch, measured the machine and runs again (see the test's docstring).
+LATE_LIMIT = 1.0
+ATTEMPTS = 20
+
+
 async def test_client_disconnect_mid_stream_aborts_in_vllm_and_frees_the_slot(
     vllm: VllmServer,
 ) -> None:
-    """The request leaves vLLM's scheduler at once and never finishes; the slot is free.
+    """The request leaves vLLM's scheduler soon and never finishes; the slot is free.
 
     vLLM 0.32.0 does not count an abort that its API server asks for (a client gone) in
     vllm:request_success_total{finished_reason="abort"}: OutputProcessor.abort_requests
     drops the request's state without recording finished-request stats (measured: direct
     and through the gateway alike, the counter stays 0). What shows the abort is that the
-    request stops running ~0.3 s after the disconnect, although its 900 tokens need ~7.5 s,
-    its tokens stop, and it is never counted as finished for any other reason.
+    request stops running with under half of its LONG tokens made (1-30 tokens, ~0.3 s
+    after the disconnect), its tokens stop, and it is never counted as finished for any
+    other reason. The judge is vLLM's token counter, not this process's clock.
 
-    An attempt through which this process was kept off the CPU for over a second measures
-    the machine, not the gateway, and runs again (five attempts at most). On this 2-core
-    VM, while vLLM generates (its worker and engine core at ~190% CPU), every other process
-    can miss the CPU for 4-8 s at once (measured: an outside sampler and `top` missed 6-8 s
-    while pytest, runnable, got 0.1%; 9 of 62 attempts, and 8 of 128 with every vLLM thread
-    at nice 10, so not CPU shares): the whole answer relayed before the client's first
-    read, or vLLM told of the disconnect seconds late (515-755 of 900 tokens made)."""
-    for _ in range(5):
-        if (seen := await _leave_mid_stream(vllm)) is not None:
+    An attempt through which this process was kept off the CPU for over LATE_LIMIT in one
+    stretch measured the machine, not the gateway, and runs again (ATTEMPTS at most; the
+    failure lists how late each was). On this VM (Firecracker, kernel.sched_vcpu_pack=15),
+    while vLLM's CPU build decodes, a CPU-bound task can run 8-9 s without being preempted
+    (perf sched timehist), and every other process, this one and an outside sampler alike,
+    misses the CPU until the answer is made: 5 of 12 attempts here, 5 of 5 in one CI run.
+    docs/experiments/2026-12-07-real-vllm-freezes.md has the measurements."""
+    lateness: list[float] = []
+    for _ in range(ATTEMPTS):
+        seen, late = await _leave_mid_stream(vllm)
+        lateness.append(round(late, 1))
+        if late <= LATE_LIMIT:
             break
     else:
-        pytest.fail("this process was kept off the CPU for over a second in five attempts")
-    before, after, later, gw_metrics, stopped_after = seen
-    assert stopped_after < 3.0  # running to its end would take ~7.5 s
+        pytest.fail(f"this process was kept off the CPU for over {LATE_LIMIT:g} s in each of "
+                    f"{ATTEMPTS} attempts (longest stretch per attempt, s: {lateness})")
+    assert seen is not None, f"the whole answer came before the first read ({lateness} s late)"
+    before, after, later, gw_metrics = seen
     generated = after["generated"] - before["generated"]
-    assert 1 <= generated < 900 / 2
+    assert 1 <= generated < LONG / 2, (generated, lateness)
     assert later["generated"] == after["generated"]  # no tokens after it left
     # counted as an abort where vLLM counts it, never as finished for another reason
     assert later["finished"] - before["finished"] == later["abort"] - before["abort"]
@@ -190,14 +202,16 @@ async def test_client_disconnect_mid_stream_aborts_in_vllm_and_frees_the_slot(
     assert total(gw_metrics, "kneegate_in_flight") == 0
 
 
-async def _leave_mid_stream(vllm: VllmServer) -> tuple[Any, ...] | None:
-    """Stream a 900-token answer through the gateway and leave after its first text: vLLM's
-    counts before / when it stopped / a moment later, the gateway's /metrics, the seconds
-    from leaving to vLLM's stop. None: this process was off the CPU for over a second in
-    the meantime (its loop's ticks say so; see the test's docstring)."""
+async def _leave_mid_stream(vllm: VllmServer) -> tuple[tuple[Any, ...] | None, float]:
+    """Stream a LONG-token answer through the gateway and leave after its first text.
+
+    Returns vLLM's counts before / when it stopped / a moment later and the gateway's
+    /metrics (None when the whole answer came before the first read), and the longest
+    stretch, in seconds, by which this loop's ticks came late meanwhile."""
+    assert vllm.max_model_len > LONG + 32, "the prompt and LONG tokens fit the context"
     app = build_app(gw_config(vllm.url, limit=2))
     up = app.gateway.pool.active[0]
-    req = {"model": "tiny", "prompt": PROMPT, "max_tokens": 900, "stream": True,
+    req = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "stream": True,
            "ignore_eos": True}
     async with serve(app) as gw, httpx.AsyncClient(timeout=30) as client:
         before = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 60)
@@ -208,20 +222,17 @@ async def _leave_mid_stream(vllm: VllmServer) -> tuple[Any, ...] | None:
                     async for chunk in r.aiter_raw():
                         if b'"text":' in chunk:
                             break  # vLLM is generating; now the client goes away
-                if max(late, default=0.0) > 1.0:
-                    return None
-                assert up.inflight == 1
-                gone_at = time.monotonic()
-            after = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 10)
-            stopped_after = time.monotonic() - gone_at
-            if max(late, default=0.0) > 1.0:
-                return None
+                still_running = up.inflight == 1
+            after = await wait_for(client, vllm.url, lambda c: c["busy"] == 0, 30)
+            longest = max(late, default=0.0)
         with anyio.fail_after(5):
             while up.inflight:
                 await asyncio.sleep(0.01)
         gw_metrics = scrape((await client.get(gw + "/metrics")).text)
         later = await engine_counts(client, vllm.url)
-    return before, after, later, gw_metrics, stopped_after
+    if not still_running:  # the whole answer came before the first read
+        return None, longest
+    return (before, after, later, gw_metrics), longest
 
 
 @asynccontextmanager

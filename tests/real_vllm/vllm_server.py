@@ -34,6 +34,7 @@ VLLM_VERSION = "0.32.0"
 HOME = Path(os.environ.get("KNEEGATE_VLLM_HOME", Path.home() / ".cache/kneegate/vllm-0.32.0"))
 HERE = Path(__file__).parent
 START_TIMEOUT = 300.0  # seconds; start-up measured at 60-95 s on 2 cores
+MAX_MODEL_LEN = 1024  # the served context (the tiny model's own is 2048)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], seconds: float) -> Non
     raise RuntimeError(f"vLLM not healthy within {seconds}s")
 
 
-def start_vllm(py: Path, model: Path, *extra: str, max_model_len: int = 1024
+def start_vllm(py: Path, model: Path, *extra: str, max_model_len: int = MAX_MODEL_LEN
                ) -> tuple[subprocess.Popen[bytes], VllmServer]:
     """Start vLLM on a free loopback port; return once /health answers (or raise, stopped).
 
