@@ -103,6 +103,11 @@ class EngineStats:
     # its own queue, summed, and how many left it (monotonic; NaN when not exposed)
     queue_time_sum: float = math.nan
     queue_time_count: float = math.nan
+    # vLLM's inter_token_latency_seconds histogram: the gaps between each request's
+    # successive tokens (never its first: prefill is not in it), summed, and how many
+    # (monotonic; NaN when not exposed)
+    itl_sum: float = math.nan
+    itl_count: float = math.nan
 
 
 def is_distress(prev: EngineStats | None, cur: EngineStats) -> bool:

@@ -79,6 +79,7 @@ class Summary:
     engine_last: tuple[float, float] | None = None  # the last scrape's in-flight, its tokens/s
     engine_first: float | None = None  # running + waiting at the window's first scrape
     busy: float | None = None  # fraction of the window with any request in flight (None: all)
+    engine_itl: float | None = None  # the engine's mean gap between tokens, first and last scrape
 
     @property
     def duration(self) -> float:
@@ -92,9 +93,14 @@ class Summary:
 
     @property
     def engine_tpot(self) -> float | None:
-        """The engine's time per output token: its mean running count over its generated
-        tokens/s. It counts requests still prefilling, so it reads high at a ramp or a
-        burst's start. None: no scrapes to read, or nothing generated."""
+        """The engine's time per output token: its mean gap between a request's successive
+        tokens where the engine reports it (vLLM's inter_token_latency_seconds: a prefill's
+        wait is in it where it held up decodes, a request's own prefill never is); else its
+        mean running count over its generated tokens/s, which counts requests still
+        prefilling as decodes that made nothing, so it reads high at a ramp, a burst's start,
+        or beside a long prompt. None: no scrapes to read, or nothing generated."""
+        if self.engine_itl is not None:
+            return self.engine_itl
         if self.engine_running is None or not self.engine_throughput:
             return None
         return self.engine_running / self.engine_throughput
@@ -172,6 +178,7 @@ class Window:
             engine_last=self._last(),
             engine_first=self._first_own(),
             busy=self.busy_time / span,
+            engine_itl=self._itl(),
         )
 
     def _first_own(self) -> float | None:
@@ -193,6 +200,18 @@ class Window:
         if b.at <= a.at or math.isnan(tokens):
             return None
         return b.running + b.waiting, tokens / (b.at - a.at)
+
+    def _itl(self) -> float | None:
+        """The engine's mean gap between tokens from its first scrape to its last: the rise
+        of its inter-token latency sum over the rise of its count. None: not exposed, or no
+        gap in between."""
+        if len(self.stats) < 2:
+            return None
+        a, b = self.stats[0], self.stats[-1]
+        gaps = b.itl_count - a.itl_count
+        if not gaps > 0:  # NaN (not exposed) or none
+            return None
+        return (b.itl_sum - a.itl_sum) / gaps
 
     def _engine(self) -> tuple[float | None, float | None]:
         st = self.stats

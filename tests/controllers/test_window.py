@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from helpers.controllers import make_sample, scrape
 
@@ -94,3 +96,22 @@ def test_busy_in_flight_is_the_mean_over_the_time_any_was_in_flight() -> None:
     steady = Window(start=0.0, last_tick=0.0)
     steady.tick(4.0, 5, 6)
     assert steady.summary(4.0).busy_inflight == steady.summary(4.0).inflight == 5.0
+
+
+def test_the_engines_tpot_is_its_token_gaps_where_it_reports_them_else_running_per_token() -> None:
+    # 8 running, 80 tokens/s: 0.1 s a token by the running count, although one of the 8 is
+    # a long prompt still prefilling (no token yet) and the 7 decoding get one each 0.0875 s
+    def window(gaps: tuple[float, float] | None) -> Summary:
+        w = Window(start=0.0, last_tick=0.0)
+        for at, tokens, n in ((0.0, 0.0, 0.0), (1.0, 80.0, 70.0)):
+            st = scrape(at, running=8, tokens=tokens)
+            if gaps is not None:
+                st = replace(st, itl_sum=n * gaps[0], itl_count=n * gaps[1])
+            w.stats.append(st)
+        w.tick(1.0, 8, 8)
+        return w.summary(1.0)
+
+    assert window(None).engine_tpot == pytest.approx(0.1)
+    assert window((0.0875, 1.0)).engine_tpot == pytest.approx(0.0875)
+    # no gap between the first scrape and the last: the running count's reading
+    assert window((0.0875, 0.0)).engine_tpot == pytest.approx(0.1)

@@ -51,6 +51,7 @@ class _Req:
     first: float = math.nan
     done: float = math.nan
     tokens: int = 0
+    last: float = math.nan  # when its last token came
     fate: str = "pending"  # pending | done | shed | timeout
     ticket: Ticket | None = None  # its place in the gateway's queue
     tenant: str = ""
@@ -150,6 +151,7 @@ class _Sim:
             name += "".join(f">{_fixed_name(x, w)}" for _, x, w in then)
         self.result = Result(sc.name, name, self.all)
         self.scrapes: list[tuple[float, EngineStats]] = []
+        self.itl_sum, self.itl_count = 0.0, 0  # the engine's inter-token latency histogram
 
     def run(self) -> Result:
         sc, now, i = self.sc, 0.0, 0
@@ -216,6 +218,8 @@ class _Sim:
             s.num_preemptions_total,
             s.generation_tokens_total,
             self.profile.usable_kv_tokens,
+            itl_sum=self.itl_sum,
+            itl_count=self.itl_count,
         )
         self.scrapes.append((now + self.SCRAPE_LAG, st))
 
@@ -270,6 +274,10 @@ class _Sim:
         for ev in events:
             r = self.reqs[ev.request_id]
             r.tokens += ev.new_tokens
+            if not ev.first:  # vLLM's inter_token_latency_seconds, one gap per step
+                self.itl_sum += now - r.last
+                self.itl_count += 1
+            r.last = now
             if ev.first:
                 r.first = now
                 assert r.ticket is not None

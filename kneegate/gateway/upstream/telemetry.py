@@ -9,6 +9,8 @@ any other labels (one vLLM process may serve several engine cores):
     preemptions   vllm:num_preemptions_total    <- vllm:num_preemptions
     generated     vllm:generation_tokens_total
     queue time    vllm:request_queue_time_seconds (its _sum and _count)
+    token gaps    vllm:inter_token_latency_seconds   <- vllm:time_per_output_token_seconds
+                  (before 0.11; its _sum and _count)
     KV capacity   vllm:cache_config_info{num_gpu_blocks, block_size}: blocks x block size, in
                   tokens (an info gauge whose labels carry the engine's CacheConfig)
 
@@ -49,20 +51,26 @@ _NAMES: dict[str, tuple[str, ...]] = {
 # as unknown for the rest: a counter that reads 0 forever would look like a stalled engine.
 _ZERO_WHEN_EMPTY = ("running", "waiting")
 _CACHE_CONFIG = "vllm:cache_config_info"  # vLLM's TYPE line says gauge: the name stays whole
-_QUEUE_TIME = "vllm:request_queue_time_seconds"  # a histogram: its _sum and _count
+# histograms read by their _sum and _count, as EngineStats' field prefix: (current, older)
+_HISTOGRAMS: dict[str, tuple[str, ...]] = {
+    "queue_time": ("vllm:request_queue_time_seconds",),
+    "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+}
+_HISTOGRAM_OF = {name for names in _HISTOGRAMS.values() for name in names}
 
 
 def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
     """EngineStats from an exposition text; None when the text has no vLLM scheduler gauges."""
     sums: dict[str, float] = {}
+    hists: dict[str, tuple[float, float]] = {}  # by name: (sum, count)
     capacity = math.nan
     for family in text_string_to_metric_families(text):
         if family.name == _CACHE_CONFIG:
             capacity = _kv_capacity(family.samples)
             continue
-        if family.name == _QUEUE_TIME:
-            for suffix in ("_sum", "_count"):
-                sums["queue_time" + suffix] = sum(_values(family.samples, family.name + suffix))
+        if family.name in _HISTOGRAM_OF:
+            hists[family.name] = (sum(_values(family.samples, family.name + "_sum")),
+                                  sum(_values(family.samples, family.name + "_count")))
             continue
         name = family.name.removesuffix("_total")
         for field_name, names in _NAMES.items():
@@ -74,6 +82,9 @@ def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
                 sums[field_name] = max(values) if field_name == "kv_cache_usage" else sum(values)
     if "running" not in sums or "waiting" not in sums:
         return None
+    for field_name, names in _HISTOGRAMS.items():  # the current name where both are exposed
+        if (found := next((hists[n] for n in names if n in hists), None)) is not None:
+            sums[field_name + "_sum"], sums[field_name + "_count"] = found
     return EngineStats(
         at=at,
         running=sums["running"],
@@ -84,6 +95,8 @@ def parse_engine_metrics(text: str, at: float) -> EngineStats | None:
         kv_capacity_tokens=capacity,
         queue_time_sum=sums.get("queue_time_sum", math.nan),
         queue_time_count=sums.get("queue_time_count", math.nan),
+        itl_sum=sums.get("itl_sum", math.nan),
+        itl_count=sums.get("itl_count", math.nan),
     )
 
 

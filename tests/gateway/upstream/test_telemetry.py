@@ -106,3 +106,46 @@ def test_empty_scheduler_gauges_read_as_nothing_running() -> None:
     text = "# TYPE vllm:num_requests_running gauge\n# TYPE vllm:num_requests_waiting gauge\n"
     s = parse_engine_metrics(text, at=0.0)
     assert s is not None and (s.running, s.waiting) == (0.0, 0.0)
+
+
+GAUGES = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0"} 0.0
+"""
+
+
+def histogram(name: str, total: float, count: float) -> str:
+    return (f"# TYPE {name} histogram\n"
+            f'{name}_bucket{{engine="0",le="+Inf"}} {count}\n'
+            f'{name}_count{{engine="0"}} {count}\n'
+            f'{name}_sum{{engine="0"}} {total}\n')
+
+
+def test_histograms_are_read_by_their_sum_and_count_summed_over_engines() -> None:
+    text = GAUGES + histogram("vllm:request_queue_time_seconds", 3.0, 10) + """\
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf"} 100.0
+vllm:inter_token_latency_seconds_bucket{engine="1",le="+Inf"} 20.0
+vllm:inter_token_latency_seconds_count{engine="0"} 100.0
+vllm:inter_token_latency_seconds_count{engine="1"} 20.0
+vllm:inter_token_latency_seconds_sum{engine="0"} 1.5
+vllm:inter_token_latency_seconds_sum{engine="1"} 0.5
+"""
+    s = parse_engine_metrics(text, at=1.0)
+    assert s is not None
+    assert (s.queue_time_sum, s.queue_time_count) == (3.0, 10)
+    assert (s.itl_sum, s.itl_count) == (2.0, 120)
+
+
+def test_the_token_gaps_come_from_the_current_name_before_the_older_whatever_the_order() -> None:
+    older = histogram("vllm:time_per_output_token_seconds", 9.0, 90)
+    current = histogram("vllm:inter_token_latency_seconds", 1.0, 50)
+    for text in (GAUGES + older + current, GAUGES + current + older):
+        s = parse_engine_metrics(text, at=1.0)
+        assert s is not None and (s.itl_sum, s.itl_count) == (1.0, 50)
+    s = parse_engine_metrics(GAUGES + older, at=1.0)  # vLLM before 0.11
+    assert s is not None and (s.itl_sum, s.itl_count) == (9.0, 90)
+    s = parse_engine_metrics(GAUGES, at=1.0)
+    assert s is not None and math.isnan(s.itl_sum) and math.isnan(s.itl_count)
