@@ -8,7 +8,10 @@ run this very code. It imports `kneegate.controllers` and nothing else of kneega
                 controller's lifecycle
     types       its values: tickets, class and tenant policies, upstream state, verdicts
     wait        the predicted wait (completion rate, engine TTFT) and the standing-queue test
-    fairness    fair shares between tenants, counted in tokens; per-tenant token buckets
+    fairness    fair shares between tenants, counted in tokens: who goes next, whom to shed
+    ledger      each tenant's counter of the service it had: charges, refunds, where it
+                starts, the one pooled account of the tenants any client can mint
+    quota       tenants' tokens-a-minute buckets
     demand      the scale-out signal: the load offered over what the engines serve
     slow_start  an upstream's limit before its engine has shown saturation
 """

@@ -106,7 +106,8 @@ from dataclasses import dataclass, field
 
 from kneegate.admission.affinity import PrefixMap
 from kneegate.admission.demand import Demand
-from kneegate.admission.fairness import FairQueue, TokenBuckets
+from kneegate.admission.fairness import FairQueue
+from kneegate.admission.quota import TokenBuckets
 from kneegate.admission.types import (
     Admitted,
     ClassPolicy,
