@@ -151,7 +151,6 @@ MAX_LINES = 400
 # modules over MAX_LINES, each to be split by responsibility by those who own it; the list
 # only shrinks (a module that falls under the bar must leave it)
 OVER_MAX = {
-    "kneegate/controllers/knee/curve.py",
     "kneegate/controllers/knee/policy.py",
 }
 
