@@ -21,6 +21,9 @@ The parts, each pure (no clock, no I/O) and none calling back into the policy:
     tokens.py   Calibration: prompt estimates put into tokens; the answers' mean lengths
     sizes.py    PromptSizes, Epoch: prompt-size shifts, and the rescale they start
     kv.py       KvEdge: the KV-cache edge and the token budget (`fits`)
+    signals.py  what a closed window says beside its means: a breach, a ramp, a climb, a stall
+    steps.py    how far a saturated window may move the limit: the climb, a probe, the
+                latency bounds (TTFT in step with the limit, TPOT with the level)
     policy.py   Knee: windows in, regions, one limit out
 
 Inputs and outputs are `LimitController`'s (controllers/base.py); windows are

@@ -10,7 +10,7 @@ Points are kept per level bin (`bin_ratio` wide, log scale), averaged with weigh
 `objective_memory` s, and so does the level the curve declined at when one window read it
 (`Curve._fade_decline`). A level whose throughput moved by more than `change` from the
 nearest point says the engine changed: every point goes but the breached ones. A point
-read by one scrape just after a rise (`Knee._climbed`) is an upper bound of its level: a
+read by one scrape just after a rise (`signals.climbed`) is an upper bound of its level: a
 window's mean within `pair` of it measures the level, and the scrape's reading goes.
 
 Each re-reading of a level (`_reread`) is one measure of how far one window's throughput
@@ -57,7 +57,7 @@ class Curve(Shape):
 
     def learn(self, w: Summary, level: float, bad: bool, scrape: bool = False) -> None:
         """Average the window into the point at its level (`bad`: it broke an objective;
-        `scrape`: the window is one scrape read just after a rise, `Knee._climbed`)."""
+        `scrape`: the window is one scrape read just after a rise, `signals.climbed`)."""
         tput = w.engine_throughput if self.engine_mode else w.throughput
         if level <= 0 or tput is None:
             return

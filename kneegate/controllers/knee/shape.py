@@ -17,7 +17,7 @@ is the lowest of:
              within 2 standard errors under it (`fit.fit_knee`)
     plateau: the lowest kept level from which every step up of >= 1.5x (`SPAN`; and
              from each level within `pair` under it) has ln(t'/t) / ln(c'/c) < e_min;
-             not from a level read by one scrape just after a rise (`Knee._climbed`)
+             not from a level read by one scrape just after a rise (`signals.climbed`)
     top:     the last kept level, when the curve declined past it (the geometric
              middle of it and the declining level when they are over a climb step apart)
 
