@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kneegate.admission.fairness import TokenBuckets
 from kneegate.admission.queue import AdmissionQueue
+from kneegate.admission.quota import TokenBuckets
 from kneegate.admission.types import (
     Admitted,
     ClassPolicy,

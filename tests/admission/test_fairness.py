@@ -9,7 +9,8 @@ from helpers.gateway import warm_rate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kneegate.admission.fairness import OUTPUT_WEIGHT, FairQueue
+from kneegate.admission.fairness import FairQueue
+from kneegate.admission.ledger import OUTPUT_WEIGHT, Ledger
 from kneegate.admission.queue import AdmissionQueue
 from kneegate.admission.types import (
     Admitted,
@@ -106,7 +107,7 @@ def test_a_refused_request_is_refunded_and_an_idle_tenant_at_the_floor_forgotten
 
 def test_an_idle_tenant_keeps_its_debt_and_the_remembered_debts_are_bounded() -> None:
     q = FairQueue()
-    q.IDLE_MAX = 2
+    q.ledger.IDLE_MAX = 2
     done = []
     for name in ("x", "y", "z"):
         t = ticket(TenantPolicy(name), tokens=50)
@@ -115,7 +116,7 @@ def test_an_idle_tenant_keeps_its_debt_and_the_remembered_debts_are_bounded() ->
         done.append(t)
     for t in done:
         q.released(t, 0)
-    assert q.floor == 0.0  # each was dispatched at 0, alone
+    assert q.ledger.floor == 0.0  # each was dispatched at 0, alone
     # each owes 50 over the floor; two debts are remembered, x's (the oldest) forgotten
     assert [q.counter(n) for n in ("x", "y", "z")] == [None, 50.0, 50.0]
     back = ticket(TenantPolicy("y"))
@@ -321,7 +322,7 @@ def test_a_tenant_with_answers_still_streaming_comes_back_ahead_a_new_key_does_n
 
 # --- tenants that can be minted: the pool ------------------------------------------------
 
-POOL = FairQueue.POOL.name
+POOL = Ledger.POOL.name
 
 
 def minted(i: int) -> TenantPolicy:
@@ -373,7 +374,7 @@ def test_a_refunded_pooled_request_leaves_its_key_unproven() -> None:
 
 def test_the_served_keys_remembered_are_bounded_least_recently_seen_forgotten() -> None:
     q = FairQueue()
-    q.GRADUATED_MAX = 2
+    q.ledger.GRADUATED_MAX = 2
     for i in (1, 2):
         t = ticket(minted(i))
         q.dispatched(t, queued=False)
@@ -381,7 +382,7 @@ def test_the_served_keys_remembered_are_bounded_least_recently_seen_forgotten() 
     q.append(ticket(minted(1), 1.0))  # key 1 seen again: key 2 is now the least recent
     t3 = ticket(minted(3))
     q.dispatched(t3, queued=False)  # served: remembered, key 2 forgotten
-    assert t3.pooled and len(q._graduated) == 2
+    assert t3.pooled and len(q.ledger._graduated) == 2
     assert not ticket_pooled(q, minted(1)) and ticket_pooled(q, minted(2))
 
 
@@ -403,7 +404,7 @@ def test_minted_keys_get_one_share_and_bounded_memory_whatever_their_number(
     stay within VTC's bound of it as one tenant would, and what the queue keeps is bounded
     by what is queued or in flight and `GRADUATED_MAX`, however many keys there were."""
     q = FairQueue()
-    q.GRADUATED_MAX = 8
+    q.ledger.GRADUATED_MAX = 8
     for i in range(40):
         q.append(ticket(A, i, tokens=1 + (7 * i) % 50))
         q.append(ticket(minted(1000 + i), i, tokens=1 + (11 * i) % 50))
@@ -415,7 +416,7 @@ def test_minted_keys_get_one_share_and_bounded_memory_whatever_their_number(
         t, total = inflight.pop(0)
         q.charge_output(t, total // 2)
         q.released(t, total)
-        assert len(q._graduated) <= 8 and len(q._accounts) <= 2 + limit
+        assert len(q.ledger._graduated) <= 8 and len(q.ledger._accounts) <= 2 + limit
         if q.queued("a") == 0 or q.queued(POOL) == 0:
             break
         ca, cp = q.counter("a"), q.counter(POOL)

@@ -59,7 +59,7 @@ def test_growth_stops_where_the_tpot_grown_in_step_would_pass_its_aim(
     ("tpot", "limits"), [(0.085, [32, 32]), (0.09, [32, 30]), (0.095, [32, 28])]
 )
 def test_tpot_over_its_aim_brings_the_limit_back(tpot: float, limits: list[int]) -> None:
-    # the first window measures the start: growth stops at the aim (`_in_step`), never a cut.
+    # the first window measures the start: growth stops at the aim (`steps.in_step`), never a cut.
     # The second reads the level: 32 x 0.85 x 0.1 / 0.09 = 30.2; at 0.095 it would be 28.6,
     # but one window cuts by no more than `backoff` (0.9 x 32 = 28.8); at the aim it holds
     ctl = make(initial=32, tpot_objective=0.1, tpot_aim=0.85, probe_every=100)

@@ -8,7 +8,7 @@ from helpers.controllers import make_sample, scrape, window
 from kneegate.controllers import Knee, KneeConfig
 
 # These engines' answers run at ~50 ms a token (100 tokens over a 5 s life), within two
-# climb steps of the default TPOT objective's aim (`Knee._in_step`); the KV edge, not
+# climb steps of the default TPOT objective's aim (`steps.in_step`); the KV edge, not
 # TPOT, is what these tests read, so their objective is one that does not bind.
 LOOSE_TPOT = 1.0
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kneegate.controllers import knee
-from kneegate.controllers.knee import KneeConfig
+from kneegate.controllers.knee import KneeConfig, signals
 from kneegate.controllers.knee.curve import Curve
 from kneegate.controllers.knee.kv import KvEdge
 from kneegate.controllers.knee.room import Room, Share, queued
@@ -43,7 +43,7 @@ def summary(**overrides: Any) -> Summary:
 
 def climbed(levels: list[tuple[float, float]], scrape_at: float | None = None) -> Curve:
     """A curve learnt from one steady window per (level, tokens/s), 5 s apart; the level
-    `scrape_at` read by one scrape just after a rise (`Knee._climbed`)."""
+    `scrape_at` read by one scrape just after a rise (`signals.climbed`)."""
     curve = Curve(KneeConfig())
     for i, (c, tput) in enumerate(levels):
         w = summary(end=5.0 * (i + 1), inflight=c, max_inflight=c, throughput=tput)
@@ -191,7 +191,7 @@ def test_a_climb_is_judged_only_from_throughput_that_was_measured(
     k._moved_up, k._curve.engine_mode = True, True
     k._curve.points = {0: Point(4.0, top_tput, None, None, False, 0.0, True)}
     w = summary(inflight=10.0, max_inflight=10, engine_last=(10.0, tput))
-    assert k._climbed(w) is None
+    assert signals.climbed(w, k.cfg, k._curve, k._before, k._moved_up) is None
 
 
 def test_a_climbs_tpot_is_scaled_from_the_level_its_answers_ended_at() -> None:
@@ -208,7 +208,7 @@ def test_a_climbs_tpot_is_scaled_from_the_level_its_answers_ended_at() -> None:
     w = summary(start=25.0, end=30.0, inflight=84.0, max_inflight=100, throughput=1300.0,
                 engine_inflight=84.0, engine_running=84.0, engine_throughput=1300.0,
                 engine_first=64.0, engine_last=(100.0, 1500.0), tpot_p50=0.06)
-    assert k._climbed(w) is not None
+    assert signals.climbed(w, k.cfg, k._curve, k._before, k._moved_up) is not None
     k._close(w)
     aim = 0.85 * 0.1 / 0.06  # the level's multiple at which TPOT meets the aim (no noise read)
     # from the level its answers ended at, not from the scrape's

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers.gateway import FakeEngine, assert_conserved
-from test_proxy import _rig
+from helpers.gateway import EXAMPLE, FakeEngine, assert_conserved
+from helpers.rig import serve_rig
 
 from kneegate.gateway.config.gateway import load_config
 from kneegate.gateway.forwarding import ProxySettings
@@ -19,7 +19,7 @@ CLASSES: dict[str, dict[str, Any]] = {"standard": {"priority": 10}, "top": {"pri
 
 async def _received(headers: list[dict[str, str]], **cfg_kw: Any) -> dict[str, float]:
     """Send one request with each of `headers`; the requests received, by class."""
-    async with _rig(FakeEngine(), default_class="standard", **cfg_kw) as rig:
+    async with serve_rig(FakeEngine(), default_class="standard", **cfg_kw) as rig:
         for h in headers:
             r = await rig.client.post(rig.gw + "/v1/completions", json={"max_tokens": 1},
                                       headers=h)
@@ -46,8 +46,6 @@ async def test_the_header_picks_an_opted_in_class_and_keys_win() -> None:
 
 
 def test_the_header_set_is_prepared_from_the_config() -> None:
-    from test_config import EXAMPLE
-
     s = ProxySettings.from_config(load_config(EXAMPLE))
     assert s.classes == {b"batch": "batch"}
     assert s.classify(b"interactive", None) == "interactive"  # the default anyway
@@ -60,7 +58,7 @@ async def test_the_bearer_scheme_is_case_insensitive() -> None:
         ("bearer nope", 401), ("Basic s3cret", 401), ("s3cret", 401), ("bearer", 401),
         ("bearer s3cret2", 401), (None, 401),
     ]
-    async with _rig(FakeEngine(), admin_token="s3cret") as rig:
+    async with serve_rig(FakeEngine(), admin_token="s3cret") as rig:
         for authorization, status in cases:
             headers = {"authorization": authorization} if authorization is not None else {}
             r = await rig.client.get(rig.gw + "/kneegate/status", headers=headers)

@@ -20,14 +20,9 @@ import anyio
 import httpx
 import pytest
 from helpers.gateway import FakeEngine, serve
+from helpers.process import free_port, until_up
 
 pytestmark = pytest.mark.anyio
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -46,17 +41,6 @@ def kneegate(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-async def until_up(client: httpx.AsyncClient, url: str, proc: subprocess.Popen[bytes]) -> None:
-    with anyio.fail_after(20):
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(proc.stdout.read().decode() if proc.stdout else "exited")
-            with contextlib.suppress(httpx.TransportError):
-                if (await client.get(url + "/health")).status_code == 200:
-                    return
-            await asyncio.sleep(0.05)
 
 
 def stopped(proc: subprocess.Popen[bytes]) -> str:

@@ -14,38 +14,16 @@ import anyio
 import httpx
 import pytest
 from helpers.gateway import FakeEngine, assert_conserved, gw_config, scrape, serve, total
+from helpers.rig import Rig, serve_rig
 
-from kneegate.gateway.app import KneegateApp, build_app
-from kneegate.gateway.config.gateway import GatewayConfig
+from kneegate.gateway.app import build_app
 
 pytestmark = pytest.mark.anyio
 
 
-class Rig:
-    """An engine, a gateway in front of it, and a client for both."""
-
-    def __init__(self, engine: FakeEngine, app: KneegateApp, up: str, gw: str,
-                 client: httpx.AsyncClient) -> None:
-        self.engine, self.app, self.up, self.gw, self.client = engine, app, up, gw, client
-
-    async def metrics(self) -> dict[Any, float]:
-        token = self.app.gateway.admin_token  # /metrics on the API port needs it when set
-        auth = {} if token is None else {"authorization": "Bearer " + token.decode()}
-        return scrape((await self.client.get(self.gw + "/metrics", headers=auth)).text)
-
-
-@contextlib.asynccontextmanager
-async def _rig(engine: FakeEngine, cfg: GatewayConfig | None = None, **kw: Any
-               ) -> AsyncIterator[Rig]:
-    async with serve(engine) as up:
-        app = build_app(cfg or gw_config(up, **kw))
-        async with serve(app) as gw, httpx.AsyncClient(timeout=10) as client:
-            yield Rig(engine, app, up, gw, client)
-
-
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
-    async with _rig(FakeEngine(interval=0.002), limit=4) as r:
+    async with serve_rig(FakeEngine(interval=0.002), limit=4) as r:
         yield r
 
 
@@ -111,7 +89,7 @@ async def test_unknown_paths_are_404_and_never_proxied(rig: Rig) -> None:
 
 
 async def test_body_over_limit_is_413() -> None:
-    async with _rig(FakeEngine(), max_body_bytes=1000) as rig:
+    async with serve_rig(FakeEngine(), max_body_bytes=1000) as rig:
         r = await rig.client.post(rig.gw + "/v1/completions", content=b"x" * 1001)
         assert r.status_code == 413
         assert r.json()["error"]["code"] == "body_too_large"
@@ -130,7 +108,7 @@ async def test_own_endpoints(rig: Rig) -> None:
 
 
 async def test_admin_token_guards_admin_endpoints(tmp_path: Path) -> None:
-    async with _rig(FakeEngine(), admin_token="s3cret") as rig:
+    async with serve_rig(FakeEngine(), admin_token="s3cret") as rig:
         assert (await rig.client.get(rig.gw + "/kneegate/status")).status_code == 401
         bad = {"authorization": "Bearer nope"}
         assert (await rig.client.post(rig.gw + "/kneegate/reload", headers=bad)).status_code == 401
@@ -147,7 +125,7 @@ async def test_admin_token_guards_admin_endpoints(tmp_path: Path) -> None:
 async def test_fixed_limit_holds_with_three_times_the_clients() -> None:
     limit = 3
     engine = FakeEngine(interval=0.01)
-    async with _rig(engine, limit=limit, max_queue=limit) as rig:
+    async with serve_rig(engine, limit=limit, max_queue=limit) as rig:
         async def one() -> httpx.Response:
             return await rig.client.post(
                 rig.gw + "/v1/completions", json={"max_tokens": 20, "stream": True})
@@ -177,7 +155,7 @@ async def test_fixed_limit_holds_with_three_times_the_clients() -> None:
 
 async def test_queue_timeout_is_503() -> None:
     cfg_kw: dict[str, Any] = {"classes": {"default": {"max_wait": 0.2}}, "limit": 1}
-    async with _rig(FakeEngine(first_delay=30), **cfg_kw) as rig:
+    async with serve_rig(FakeEngine(first_delay=30), **cfg_kw) as rig:
         hog = asyncio.create_task(rig.client.post(
             rig.gw + "/v1/completions", json={"max_tokens": 1, "stream": True}))
         with anyio.fail_after(5):
@@ -208,7 +186,7 @@ async def test_client_disconnect_aborts_upstream_and_frees_the_slot(relay: str, 
 
 
 async def test_first_byte_timeout_is_504_and_aborts_upstream() -> None:
-    async with _rig(FakeEngine(first_delay=30), timeouts={"first_byte": 0.2}) as rig:
+    async with serve_rig(FakeEngine(first_delay=30), timeouts={"first_byte": 0.2}) as rig:
         with anyio.fail_after(3):
             r = await rig.client.post(rig.gw + "/v1/completions", json={"max_tokens": 1})
         assert r.status_code == 504
@@ -220,7 +198,7 @@ async def test_first_byte_timeout_is_504_and_aborts_upstream() -> None:
 
 
 async def test_idle_timeout_cuts_a_stalled_stream(relay: str) -> None:
-    async with _rig(FakeEngine(interval=30), timeouts={"idle": 0.2}) as rig:
+    async with serve_rig(FakeEngine(interval=30), timeouts={"idle": 0.2}) as rig:
         with anyio.fail_after(3), pytest.raises(httpx.RemoteProtocolError):
             await rig.client.post(rig.gw + "/v1/completions",
                                   json={"max_tokens": 3, "stream": True})
@@ -239,7 +217,7 @@ async def test_a_client_that_stops_reading_is_its_own_outcome_not_a_timeout(rela
     # That is the client's doing: client_stalled, no failure against the engine, no sample.
     import socket
 
-    async with _rig(FakeEngine(), timeouts={"idle": 0.3}) as rig:
+    async with serve_rig(FakeEngine(), timeouts={"idle": 0.3}) as rig:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         port = int(rig.gw.rsplit(":", 1)[1])
@@ -321,7 +299,7 @@ async def test_api_key_and_header_pick_the_class() -> None:
     classes = {"interactive": {"priority": 10}, "batch": {"priority": 0, "header": True}}
     cfg_kw: dict[str, Any] = {"classes": classes, "default_class": "interactive",
               "api_keys": {"sk-batch": "batch"}}
-    async with _rig(FakeEngine(), **cfg_kw) as rig:
+    async with serve_rig(FakeEngine(), **cfg_kw) as rig:
         await rig.client.post(rig.gw + "/v1/completions", json={},
                               headers={"authorization": "Bearer sk-batch"})
         await rig.client.post(rig.gw + "/v1/completions", json={},
@@ -390,7 +368,7 @@ async def test_userinfo_in_an_upstream_url_is_basic_auth_never_host_nor_logged(
                  "controller": "fixed", "params": {"initial": 4}},
             ])
             with caplog.at_level(logging.DEBUG):
-                async with _rig(engine, cfg) as rig:
+                async with serve_rig(engine, cfg) as rig:
                     for _ in range(4):
                         r = await rig.client.post(
                             rig.gw + "/v1/completions", json={"max_tokens": 1},

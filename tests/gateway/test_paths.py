@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from helpers.gateway import FakeEngine, assert_conserved, total
-from test_proxy import Rig, _rig
+from helpers.rig import Rig, serve_rig
 
 from kneegate.gateway.errors import InvalidPath
 from kneegate.gateway.forwarding import normalise_path, proxied_path
@@ -63,7 +63,7 @@ ATTACKS = [
 
 
 async def test_paths_that_leave_the_allow_list_are_refused_and_never_forwarded() -> None:
-    async with _rig(FakeEngine()) as rig:
+    async with serve_rig(FakeEngine()) as rig:
         for method, target, status in ATTACKS:
             code, headers, body = await raw_request(rig.gw, method, target, b"{}")
             assert code == status, target
@@ -107,7 +107,7 @@ async def test_every_path_form_stays_inside_what_kneegate_proxies() -> None:
             seen.append(scope["raw_path"].decode("latin-1"))
         await engine_call(scope, receive, send)
 
-    async with _rig(recording) as rig:  # type: ignore[arg-type]
+    async with serve_rig(recording) as rig:  # type: ignore[arg-type]
         before = list(seen)  # the gateway's own probes (/health, /v1/models, /metrics)
         for method, target, status in FORMS:
             code, headers, body = await raw_request(rig.gw, method, target, b"{}")
@@ -135,7 +135,7 @@ async def test_every_path_form_stays_inside_what_kneegate_proxies() -> None:
 
 
 async def test_dot_segments_inside_v1_are_forwarded_resolved() -> None:
-    async with _rig(FakeEngine()) as rig:
+    async with serve_rig(FakeEngine()) as rig:
         for target, forwarded in [
             ("/v1/a/./b/../c?x=1&y=/../z", "/v1/a/c?x=1&y=/../z"),  # the query is not a path
             ("/v1/%2e/models/%2E%2e/completions", "/v1/completions"),
@@ -150,7 +150,7 @@ async def test_dot_segments_inside_v1_are_forwarded_resolved() -> None:
 
 
 async def test_only_the_openai_methods_are_forwarded() -> None:
-    async with _rig(FakeEngine()) as rig:
+    async with serve_rig(FakeEngine()) as rig:
         for method in ("TRACE", "CONNECT", "PUT", "PATCH", "PROPFIND"):
             code, headers, body = await raw_request(rig.gw, method, "/v1/completions", b"{}")
             assert code == 405, method
@@ -168,7 +168,7 @@ async def test_only_the_openai_methods_are_forwarded() -> None:
 
 
 async def test_wrong_method_on_an_own_endpoint_is_405_in_the_openai_shape() -> None:
-    async with _rig(FakeEngine()) as rig:
+    async with serve_rig(FakeEngine()) as rig:
         code, headers, body = await raw_request(rig.gw, "GET", "/kneegate/reload")
         assert code == 405 and "POST" in headers["allow"]
         assert error_code(body) == "method_not_allowed"

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -14,6 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kneegate.admission.queue import AdmissionQueue
 from kneegate.gateway.config.gateway import GatewayConfig, parse_config
 from kneegate.gateway.server.serving import serving as serve  # noqa: F401 - the tests' name for it
+
+# the example config shipped in examples/, as the README shows it
+EXAMPLE = Path(__file__).parents[2] / "examples" / "kneegate.yaml"
 
 
 def gw_config(upstream: str | None = None, **overrides: Any) -> GatewayConfig:

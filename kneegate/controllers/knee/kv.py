@@ -46,7 +46,7 @@ from collections import deque
 
 from kneegate.controllers.base import EngineStats
 from kneegate.controllers.knee.config import KneeConfig
-from kneegate.controllers.knee.curve import blend
+from kneegate.controllers.knee.point import blend
 from kneegate.controllers.knee.tokens import Calibration
 
 __all__ = ["SHARED", "KvEdge"]

@@ -28,7 +28,7 @@ Regions, in order:
 
     confirm  not bad, the target cuts the limit by more than a bin, and the curve's top is
              the point this window learnt at the limit's level, one window's reading:
-             target = limit, so the regions below hold it (`_unconfirmed`)
+             target = limit, so the regions below hold it (`signals.unconfirmed`)
     decline  bad: limit = min(target, backoff x min(limit, busy in-flight)), busy in-flight
              the mean over the window's time with any request in flight (bursts: the
              gaps between them are no level the breach was read at)
@@ -42,15 +42,15 @@ Regions, in order:
              level of the climb is measured before the next); nor more than
              limit x ttft_objective / TTFT p90, nor than
              level x aim x tpot_objective / TPOT p50, aim = tpot_aim lowered by one
-             standard deviation of the curve's noise (`_in_step`, `_aim_level`; a window
-             no answer ended in reads them at the curve's point at its level, `_latency`)
+             standard deviation of the curve's noise (`steps.in_step`, `steps.aim_level`; a window
+             no answer ended in reads them at the curve's point at its level, `steps.latency`)
     low      the engine queued, or app-limited: limit = min(limit, target) (never grows);
              app-limited where the room was measured (grounded) and the window read a level
              (no move, no ramp): limit = target, the level the next demand meets (`_await`)
 
 Then, after a saturated window that read a level (no move, no ramp) and broke no objective,
 with TPOT p50 over aim x `tpot_objective`: limit = min(limit, max(backoff x limit,
-level x aim x tpot_objective / TPOT p50)) (`_to_aim`): TPOT's aim holds both ways.
+level x aim x tpot_objective / TPOT p50)) (`steps.to_aim`): TPOT's aim holds both ways.
 
 App-limited (`idle`): in-flight at the limit for under `saturation` of the window, the
 token budget refused no request in it (`fits`; then demand met the budget, not the
@@ -71,16 +71,17 @@ Between windows:
 Reads `Sample` (admitted_at, duration, ttft, prompt and output tokens, outcome),
 `EngineStats` (running, waiting, KV use and size, preemptions, generated tokens), the
 in-flight count per tick and prompt estimates on arrival or admission. Pure: no clock,
-no I/O. Why each rule is as it is: docs/design/knee.md.
+no I/O. What a window says beside its means is read by signals.py; how far a saturated
+window may move the limit, by steps.py. Why each rule is as it is: docs/design/knee.md.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 from kneegate.controllers.base import EngineStats, Sample
+from kneegate.controllers.knee import signals, steps
 from kneegate.controllers.knee.config import KneeConfig
 from kneegate.controllers.knee.curve import Curve
 from kneegate.controllers.knee.kv import KvEdge
@@ -226,16 +227,16 @@ class Knee(Windowed):
 
     def _close(self, w: Summary) -> None:
         c = self.cfg
-        ramped = self._ramped(w)
-        bad = w.drops > 0 or self._over_objective(w, ramped)
+        ramped = signals.ramped(w, c)
+        bad = w.drops > 0 or signals.over_objective(w, c, ramped, self._moved_up)
         level, _ = self._curve.level(w)
-        read_at = level  # the window's mean level, where its answers ended: `_in_step`
+        read_at = level  # the window's mean level, where its answers ended: `steps.in_step`
         full = queued(w, c.queue_jitter)
         # the window after a move measures the move (a burst of prefills), not the level
         # a full engine's level counts its queue: its throughput is the plateau's, at no level
         measured = w.samples or w.engine_throughput is not None
         steady = not (self._moved or ramped)  # the window read a level, not a move
-        climbed = self._climbed(w)
+        climbed = signals.climbed(w, c, self._curve, self._before, self._moved_up)
         if climbed is not None and not (bad or full):
             # the rise kept pace: its level is what the last scrape read, past the prefills
             w, level = climbed, climbed.engine_inflight or level
@@ -251,22 +252,25 @@ class Knee(Windowed):
         target = self._target(level) * self._share.update(
             w, level, not (idle or self._moved or self._epoch.draining(w.start)), c.smoothing
         )
-        if not bad and self._unconfirmed(w, target):
+        if not bad and signals.unconfirmed(w, target, self._limit, c, self._curve):
             target = self._limit  # the cut rests on one window at the top: a second confirms
         if bad:
             # decrease needs no proof of load: cut below what was actually in flight while
             # any was (`Summary.busy_inflight`): a burst's mean over its gaps is no level
             cut = min(self._limit, max(w.busy_inflight, 1.0)) * c.backoff
             self._set_limit(max(1.0, min(target, cut)))
-        elif (w.saturated >= c.saturation and not full and not self._stalled(w)
-              and not self._unproven(w)):
+        elif (w.saturated >= c.saturation and not full
+              and not signals.stalled(w, c, self._curve, self._moved)
+              and not signals.unproven(w, c)):
             # demand exceeds the limit and the engine keeps up: grow, at most one climb step
-            # a probe goes to its level at once (up to one climb step, `_probe_step`): on a
+            # a probe goes to its level at once (up to one climb step, `steps.probe_step`): on a
             # flat plateau the fit's elasticity is ~0 and a climb step would never leave the knee
             # neither beyond where TTFT or TPOT, grown in step with the level, would pass its
-            # objective (`_in_step`)
-            grow = self._probe_step(target) if self._probing else self._grow(level)
-            self._set_limit(max(1.0, min(target, grow, self._in_step(w, read_at))))
+            # objective (`steps.in_step`)
+            grow = (steps.probe_step(self._limit, target, c) if self._probing
+                    else steps.grow(self._limit, level, c, self._curve, self._room))
+            self._set_limit(max(1.0, min(target, grow, steps.in_step(self._limit, w, read_at, c,
+                                                                     self._curve))))
         else:
             # app-limited or queued: hold — no demand tests whether the engine takes more (a
             # knee the curve measured still cuts: a decrease needs no proof of load); where
@@ -274,156 +278,13 @@ class Knee(Windowed):
             waits = idle and self._await(steady)
             self._set_limit(max(1.0, target if waits else min(self._limit, target)))
         if not bad and steady and w.saturated >= c.saturation:
-            self._set_limit(max(1.0, min(self._limit, self._to_aim(w, level))))
+            self._set_limit(max(1.0, min(self._limit, steps.to_aim(self._limit, w, level, c,
+                                                                  self._curve))))
         self._before = w.engine_last  # the level this window left, read at its last scrape
         self._moved = abs(self._limit - before) > c.bin_ratio * before
         self._moved_up = self._moved and self._limit > before
         if self._limit < before:
             self._last_cut = w.end  # later samples admitted before this measure a level left
-
-    def _unconfirmed(self, w: Summary, target: float) -> bool:
-        """The target would cut the limit by more than a bin, and the curve's verdict that
-        puts it there rests on its top point, learnt in this window at the limit's level
-        (within `pair`) from one window's reading (`Point.windows` 1). A verdict of the
-        curve (a plateau, a decline, a fit) that no objective's breach backs holds the limit
-        one window more, so that a second window at the level joins the first before the
-        limit leaves it: nothing measures a level above the knee again for the point's
-        `memory` (300 s). Measured: docs/design/knee.md, "Regions" (Confirm)."""
-        top = self._curve.highest()
-        return (target < self._limit / (1 + self.cfg.bin_ratio) and top is not None
-                and top.at == w.end and top.windows == 1 and not top.scrape
-                and top.concurrency * self.cfg.pair >= self._limit)
-
-    def _in_step(self, w: Summary, level: float) -> float:
-        """How far a saturated window's limit may grow for latency: to where its TTFT p90,
-        grown in proportion to the limit, would meet `ttft_objective`, and its TPOT p50,
-        grown in proportion to the level, would reach its aim (`_aim_level`). Never a cut
-        (a breach cuts).
-
-        TTFT: where every prefill queues behind the others (vLLM's CPU build) TTFT grows in
-        step with the limit, and a doubling past the objective took the users' tail past it
-        for the time the cuts took; where TTFT is far under its objective it never binds.
-        TPOT: on the plateau a step's time grows with the batch it decodes, so TPOT grows
-        with the level; under the knee it grows slower, and the bound is loose. Aimed under
-        the objective, not at it: every request's TPOT is judged, and at a p50 on the
-        objective half of them miss it.
-
-        `level` is where the window's latencies were read: its mean level, also for the
-        window after a rise that `_climbed` reads at its last scrape (its answers ended
-        while it held less). Measured: docs/design/knee.md, "Regions" (TPOT stops the
-        climb); on real vLLM, docs/history/benchmarks.md, "kneegate's limit at 3x on real
-        vLLM"."""
-        c = self.cfg
-        bound = math.inf
-        ttft, tpot = self._latency(w, level)
-        if ttft:
-            bound = self._limit * c.ttft_objective / ttft
-        if tpot:
-            bound = min(bound, self._aim_level(level, tpot))
-        return max(self._limit, bound)
-
-    def _aim_level(self, level: float, tpot: float) -> float:
-        """The level at which TPOT, read at `level` and grown in step with it, meets
-        `tpot_aim` x `tpot_objective`, lowered by one standard deviation of the host's
-        measured noise (`Curve.noise`, one window's variance of ln throughput): where
-        `_in_step` stops the climb and `_to_aim` brings the limit back.
-
-        Why lowered: one window's TPOT is read in one spell of the host's speed, and every
-        answer is judged: a limit set to the aim in a fast spell breaks the objective in the
-        next slow one. Measured: docs/design/knee.md, "Regions" (The aim sits under the
-        noise)."""
-        aim = self.cfg.tpot_aim * math.exp(-math.sqrt(self._curve.noise()))
-        return level * aim * self.cfg.tpot_objective / tpot
-
-    def _latency(self, w: Summary, level: float) -> tuple[float | None, float | None]:
-        """The window's (TTFT p90, TPOT p50); in a window no answer ended in (closed on the
-        engine's counters), those of the curve's point at its level, if any: unbounded, a
-        probe from such a window leapt past the level where TPOT meets its aim.
-        Measured: docs/design/knee.md, "Regions"."""
-        if w.ttft_p90 is not None or w.tpot_p50 is not None:
-            return w.ttft_p90, w.tpot_p50
-        near = self._curve.nearest(level)
-        return (near.ttft_p90, near.tpot_p50) if near is not None else (None, None)
-
-    def _to_aim(self, w: Summary, level: float) -> float:
-        """Where TPOT's aim puts the limit after a saturated window that read a level: the
-        level at which its TPOT p50, in step with the level, meets its aim (`_aim_level`),
-        no lower than a `backoff` cut (one window's p50 is noisy); no bound where it is
-        under the aim. `_in_step` stops the climb there; this brings the
-        limit back when the engine slows under it (a breach of the objective itself cuts).
-        Only saturated windows: in a draining one the level is under the limit and scales
-        nothing. Measured: docs/design/knee.md, "Regions" (TPOT's aim holds both ways)."""
-        if not w.tpot_p50:
-            return math.inf
-        return max(self.cfg.backoff * self._limit, self._aim_level(level, w.tpot_p50))
-
-    def _over_objective(self, w: Summary, ramped: bool) -> bool:
-        """TTFT p90 or TPOT p50 over its objective. A window held at the limit with no
-        answer in it, not after a rise nor through the engine's own (`ramped`), is judged by
-        the engine's TPOT (`Summary.engine_tpot`): once each step is slower a request
-        outlasts a window, and windows closed on the engine's scrapes alone would hold the
-        limit the windows with answers cut. Not in the other windows, where requests still
-        prefilling read it high. Measured: docs/design/knee.md, "Windows"
-        (tests/benchmarks/test_knee_slowdown_sim.py)."""
-        c = self.cfg
-        tpot = w.tpot_p50
-        if tpot is None and w.saturated >= c.saturation and not (self._moved_up or ramped):
-            tpot = w.engine_tpot
-        return (w.ttft_p90 is not None and w.ttft_p90 > c.ttft_objective) or (
-            tpot is not None and tpot > c.tpot_objective
-        )
-
-    def _climbed(self, w: Summary) -> Summary | None:
-        """The window after a rise, read at its last scrape, when that shows the rise kept
-        pace: the engine filled the level and throughput grew with elasticity of at least 1/2
-        from the highest level measured, or, before any, from the last scrape of the window
-        the rise left (the first window measures the start, no level). The window's means
-        mix the scrapes from before the rise (they come 1.5 s late) and its burst of
-        prefills; one that reads flat even at its last scrape may still be prefilling, and
-        the next window decides, as for any move. None: not such a window."""
-        top = self._curve.highest()
-        ref = (top.concurrency, top.throughput) if top else self._before
-        if not (self._moved_up and self._curve.engine_mode and w.engine_last and ref):
-            return None
-        level, tput = w.engine_last
-        if level < 0.8 * w.max_inflight or w.saturated < self.cfg.saturation:
-            return None
-        if level < self.cfg.pair * ref[0] or tput <= 0 or ref[1] <= 0:
-            return None  # a counter that stood still or was reset
-        if math.log(tput / ref[1]) < 0.5 * math.log(level / ref[0]):
-            return None
-        return replace(w, engine_inflight=level, engine_throughput=tput)
-
-    def _stalled(self, w: Summary) -> bool:
-        """The window's last scrape reads a level measured before at a throughput fallen by
-        more than `change`: the engine changed within the window, whose means still read it
-        as it was. No growth on them: a limit doubled into a slowdown admits requests whose
-        samples, admitted before the cuts that follow, measure nothing for a while
-        (tests/benchmarks/test_knee_slowdown_sim.py). Measured: docs/design/knee.md, "Regions"
-        (Linear)."""
-        if self._moved or w.engine_last is None:
-            return False
-        level, tput = w.engine_last
-        near = self._curve.nearest(level)
-        return near is not None and tput < (1 - self.cfg.change) * near.throughput
-
-    def _unproven(self, w: Summary) -> bool:
-        """No answer ended in the window and the engine's own TPOT is over its objective:
-        nothing shows the engine keeps up, so the limit holds (a cut still needs a window
-        `_over_objective` judges). Neither `_over_objective` (the engine's in-flight rose
-        through it) nor `_stalled` (the window after a move) reads such a window, and one
-        after a slowdown's cut doubled the limit (tests/benchmarks/test_knee_slowdown_sim.py)."""
-        return (w.samples == 0 and w.engine_tpot is not None
-                and w.engine_tpot > self.cfg.tpot_objective)
-
-    def _ramped(self, w: Summary) -> bool:
-        """The engine's in-flight rose by more than a bin across the window: it measured a
-        move, not a level. The KV edge lifts the limit between windows without moving the
-        window's, and the mean of such a window reads its prefills as a plateau below it (a
-        false knee). Measured: docs/design/knee.md, "Regions" (Linear)."""
-        if w.engine_first is None or w.engine_last is None:
-            return False
-        return w.engine_last[0] > (1 + self.cfg.bin_ratio) * w.engine_first
 
     def _await(self, steady: bool) -> bool:
         """An app-limited window sets the limit to its target, up as well as down (else it
@@ -432,41 +293,11 @@ class Knee(Windowed):
         nor the first, the start, nor one the engine ramped through). (A probe's target is
         the probe's level: an idle probe waits there for one window, as a probe.)
         One gateway's grounded room is at most 4 x what runs, so within two climb steps of
-        its limit, where `_grow` too lets a saturated window's limit double unmeasured.
+        its limit, where `steps.grow` too lets a saturated window's limit double unmeasured.
         Why: a limit held under its target through idle time met the next burst short of it,
         and rose only once a window saw it saturated. Measured: docs/design/knee.md,
         "Regions" (Idle)."""
         return steady and self._room.grounded
-
-    def _probe_step(self, target: float) -> float:
-        """A probe's move: to its target at once, but no more than one climb step above the
-        limit. The target is read from the knee of this window's curve, and on a host whose
-        speed wanders one window can move that far: a probe straight there put a queue of
-        prefills in the engine. Measured: docs/design/knee.md, "Regions" (Plateau and
-        probes)."""
-        return min(target, (1 + self.cfg.climb) * self._limit)
-
-    def _grow(self, level: float) -> float:
-        """How far a saturated window may raise the limit: one climb step, weighed by the
-        fitted curve's elasticity at `level` (a step that adds little throughput is a small
-        one), within two steps of the engine's room or one step past the highest level
-        measured.
-
-        A full step where the engine's measured room (`Room.grounded`) is near and the
-        fitted curve still rises through it (its knee is at or past the room): the room,
-        not the curve, stops the climb (the target caps it), and the elasticity at levels
-        under the room only slowed the approach. Measured: docs/design/knee.md, "Regions"
-        (Linear)."""
-        step = 1 + self.cfg.climb
-        grow = self._limit * (1 + self.cfg.climb * self._curve.elasticity(level))
-        if self._room.value <= step * step * self._limit:
-            fit, _ = self._curve.knee()
-            if self._room.grounded and (fit is None or fit >= self._room.value):
-                return step * self._limit  # the curve rises through the room: the target stops it
-            return grow  # the engine's room is within two steps: it stops the climb
-        # else at most one step past the highest level measured (the initial limit before
-        # any): doublings never measured overshoot a flat plateau
-        return max(self._limit, min(grow, step * self._curve.top()))
 
     # --- the knee and the limit -----------------------------------------------------------
 

@@ -42,7 +42,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from kneegate.controllers.knee.curve import blend
+from kneegate.controllers.knee.point import blend
 from kneegate.controllers.window import Summary
 
 __all__ = ["GROUNDED_KV", "Room", "Share", "queued"]

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+from helpers.gateway import EXAMPLE
 
 from kneegate.cli import apply_flags, main
 from kneegate.gateway.config.gateway import (
@@ -15,8 +16,6 @@ from kneegate.gateway.config.gateway import (
     split_for_worker,
 )
 from kneegate.gateway.errors import ConfigError
-
-EXAMPLE = Path(__file__).parents[3] / "examples" / "kneegate.yaml"
 
 
 def _field(data: object) -> tuple[str, str]:

@@ -17,8 +17,8 @@ import anyio
 import httpx
 import pytest
 from helpers.gateway import FakeEngine, assert_conserved
+from helpers.rig import serve_rig
 from prometheus_client import CollectorRegistry
-from test_proxy import _rig
 
 from kneegate.controllers.base import EngineStats
 from kneegate.gateway.observability.history import History, quantile
@@ -119,7 +119,7 @@ def test_the_ring_is_bounded_and_since_filters() -> None:
 async def test_history_over_a_served_gateway() -> None:
     limit = 3
     engine = FakeEngine(interval=0.01)
-    async with _rig(engine, limit=limit, max_queue=limit) as rig:
+    async with serve_rig(engine, limit=limit, max_queue=limit) as rig:
         gw = rig.app.gateway
         with anyio.fail_after(5):  # the sampler's first point comes as the gateway starts
             while not gw.history.points:
@@ -157,7 +157,7 @@ async def test_history_over_a_served_gateway() -> None:
 
 
 async def test_the_served_ring_stays_at_its_size() -> None:
-    async with _rig(FakeEngine()) as rig:
+    async with serve_rig(FakeEngine()) as rig:
         gw = rig.app.gateway
         for _ in range(700):
             gw.history.sample(gw.clock())
@@ -166,7 +166,7 @@ async def test_the_served_ring_stays_at_its_size() -> None:
 
 
 async def test_history_is_guarded_like_status_and_the_page_is_not() -> None:
-    async with _rig(FakeEngine(), admin_token="s3cret") as rig:
+    async with serve_rig(FakeEngine(), admin_token="s3cret") as rig:
         for path in ("/kneegate/status", "/kneegate/history"):
             r = await rig.client.get(rig.gw + path)
             assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
@@ -184,7 +184,7 @@ async def test_history_is_guarded_like_status_and_the_page_is_not() -> None:
     ("/kneegate/live.css", "text/css; charset=utf-8", "--plateau"),
 ])
 async def test_the_page_is_served_from_the_package(path: str, ctype: str, holds: str) -> None:
-    async with _rig(FakeEngine()) as rig:
+    async with serve_rig(FakeEngine()) as rig:
         r = await rig.client.get(rig.gw + path)
         assert r.status_code == 200
         assert r.headers["content-type"] == ctype
@@ -196,7 +196,7 @@ async def test_the_page_is_served_from_the_package(path: str, ctype: str, holds:
 
 
 async def test_the_page_without_its_slash_redirects_and_other_paths_stay_404() -> None:
-    async with _rig(FakeEngine()) as rig:
+    async with serve_rig(FakeEngine()) as rig:
         r = await rig.client.get(rig.gw + "/kneegate")
         assert r.status_code in (301, 307) and r.headers["location"].endswith("/kneegate/")
         assert (await rig.client.get(rig.gw + "/kneegate/nope.js")).status_code == 404
@@ -204,7 +204,7 @@ async def test_the_page_without_its_slash_redirects_and_other_paths_stay_404() -
 
 async def test_status_carries_the_knee_curve_and_its_fit() -> None:
     cfg_upstreams = [{"name": "e0", "url": "http://127.0.0.1:9", "controller": "knee"}]
-    async with _rig(FakeEngine(), upstreams=cfg_upstreams) as rig:
+    async with serve_rig(FakeEngine(), upstreams=cfg_upstreams) as rig:
         ctl = (await rig.client.get(rig.gw + "/kneegate/status")).json()["upstreams"][0][
             "controller"]
         assert ctl["curve"] == []

@@ -28,8 +28,8 @@ from helpers.gateway import (
     total,
     until,
 )
+from helpers.process import free_port, until_up
 from prometheus_client import generate_latest
-from test_cli import free_port, until_up
 
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.server.serving import QuietServer, running, uvicorn_config
