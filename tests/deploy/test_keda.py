@@ -197,8 +197,9 @@ def test_each_query_reads_the_model_its_deployment_serves() -> None:
 def test_the_demand_series_carry_the_label_the_queries_filter_on() -> None:
     """Each pool's demand is exported with `model` set to its models, as the queries read."""
     registry = CollectorRegistry()
-    pools = [("llama-3.1-8b-instruct", DemandEstimate(6.0, 2.0, 3.0, 1, 4)),
-             ("qwen2.5-0.5b-instruct", DemandEstimate(1.0, 4.0, 0.25, 1, 1))]
+    pools: list[tuple[str, DemandEstimate | None]] = [
+        ("llama-3.1-8b-instruct", DemandEstimate(6.0, 2.0, 3.0, 1, 4)),
+        ("qwen2.5-0.5b-instruct", DemandEstimate(1.0, 4.0, 0.25, 1, 1))]
     GatewayMetrics(registry).bind_live(lambda: [], lambda: [], demand=lambda now: pools)
     for doc in _two_models():
         query = doc["spec"]["triggers"][0]["metadata"]["query"]

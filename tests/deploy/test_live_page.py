@@ -362,6 +362,7 @@ def test_each_pool_is_shown_by_model(pools_stack: Stack, browser: Any) -> None:
     except Exception as exc:  # selenium's TimeoutException: say what was seen
         pytest.fail(f"the pools not shown as /kneegate/status reports within "
                     f"{DRAWN_WITHIN:g} s: {exc!r}; last (page, status pools) {seen[-2:]}")
+    assert page is not None
     assert [r["model"] for r in page["pools"]] == list(POOL_MODELS)
     assert [r["upstreams"] for r in page["pools"]] == ["chat-0", "small-0"]
     assert [r["limits"] for r in page["pools"]] == ["2", "3"]
