@@ -236,7 +236,7 @@ def run_arm(arm: str, engines: list[Engine], capacity: dict[str, float],
     for e in engines:
         into, owners = watched[gateways[e.model]]
         row = model_row(users[e.model], e.model, capacity[e.model], args,
-                         gauges(into, owners, e.model))
+                        gauges(into, owners, e.model))
         row["engine_served"] = served.get(e.model)
         out["models"][e.model] = row
     if arm == "pooled":
