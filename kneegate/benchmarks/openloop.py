@@ -45,6 +45,7 @@ class Record:
     last: float | None = None  # the last token
     prompt: int = 0  # its prompt's tokens, where they vary (`benchmarks.replay`)
     reason: str = ""  # a rejection's x-kneegate-reject-reason (a gateway's), else ""
+    model: str = ""  # the model its answer named (the first token's chunk), "" before one
 
     @property
     def tpot(self) -> float | None:
@@ -118,6 +119,7 @@ class _Client:
                 now = time.monotonic()
                 if rec.ttft is None:
                     rec.ttft = now - sent
+                    rec.model = str(json.loads(line[6:]).get("model", ""))  # once a request
                     # a first token: the user stays until the answer ends (bounded)
                     bound.reschedule(sent_loop + self.args.request_timeout)
                 rec.tokens += 1

@@ -287,7 +287,8 @@ class Gateway:
     def status(self) -> dict[str, Any]:
         """Each upstream (its controller's state: limit, knee estimate, learned curve; its
         engine's scraped figures), the queue, the completion rate and the demand (null
-        until known: admission/demand.py)."""
+        until known: admission/demand.py); `pools`: each pool's models, upstreams, queued
+        requests and demand (the live page shows them where there are several)."""
         now = self.clock()
         demands = self.demand(now)
         demand = demands[0][1] if len(demands) == 1 else None
@@ -298,7 +299,7 @@ class Gateway:
             "completion_rate": round(self.queue.completion_rate, 3),
             "demand": None if demand is None else demand.as_dict(),
             "pools": [{"models": p.models, "upstreams": sorted(p.names),
-                       "affinity": p.queue.affinity is not None,
+                       "queue": p.queue.depth(), "affinity": p.queue.affinity is not None,
                        "demand": None if d is None else d.as_dict()}
                       for p, (_, d) in zip(self.queue.pools, demands, strict=True)],
         }

@@ -8,7 +8,9 @@ and in time that honour Retry-After. Headless Chromium (Debian's `chromium` and
 `chromium-driver`, driven by selenium) opens `/kneegate/`; the test waits until the knee
 marker and the limit line are drawn, and checks they carry the values `/kneegate/status`
 reports and sit where the axis puts those values. Then it saves docs/live-page.png, the
-README's picture.
+README's picture. With one pool (one model) the pools table stays hidden; with two emulators
+serving different models behind one gateway, the page shows one row per pool: its model,
+upstreams, limits, in flight, queue and demand ratio, as `/kneegate/status` reports them.
 
 Skips (never fails) when selenium, chromium or chromedriver is missing:
     apt-get install -y chromium chromium-driver && pip install -e '.[browser]'
@@ -18,6 +20,7 @@ About a minute of wall time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
@@ -83,6 +86,8 @@ return {
   range: svg ? svg.getAttribute('data-x-range') : null,
   regions: Array.from(art.querySelectorAll('rect.region')).map(r => r.dataset.region),
   points: art.querySelectorAll('circle.point').length,
+  pools: Array.from(document.querySelectorAll('#pools tr.pool')).map(r => ({...r.dataset})),
+  pools_shown: !(document.getElementById('pools') || {hidden: true}).hidden,
   series: Array.from(document.querySelectorAll('path.series'))
     .filter(p => p.dataset.latest !== '').map(p => p.dataset.series),
   login: !document.getElementById('login').hidden,
@@ -114,23 +119,26 @@ class Stack:
 
 
 class Load:
-    """CLIENTS streaming clients in a closed loop on a thread of its own; a refused one waits
-    its Retry-After (at most 1 s). At most MAX_REQUESTS requests and MAX_SECONDS seconds."""
+    """`clients` streaming clients (CLIENTS) in a closed loop on a thread of its own, each
+    asking for one of `models` in turn; a refused one waits its Retry-After (at most 1 s).
+    At most MAX_REQUESTS requests and MAX_SECONDS seconds."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, models: tuple[str, ...] = ("cpu-tiny",),
+                 clients: int = CLIENTS) -> None:
         self.url, self.sent, self.ok, self.stopping = url, 0, 0, False
+        self.models, self.clients = models, clients
         self.deadline = time.monotonic() + MAX_SECONDS
         self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
         self.thread.start()
 
     async def _main(self) -> None:
-        limits = httpx.Limits(max_connections=CLIENTS + 4)
+        limits = httpx.Limits(max_connections=self.clients + 4)
         async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-            await asyncio.gather(*(self._one(client) for _ in range(CLIENTS)),
-                                 return_exceptions=True)
+            await asyncio.gather(*(self._one(client, self.models[i % len(self.models)])
+                                   for i in range(self.clients)), return_exceptions=True)
 
-    async def _one(self, client: httpx.AsyncClient) -> None:
-        body = {"model": "cpu-tiny", "prompt": "p " * 64, "max_tokens": 32, "stream": True}
+    async def _one(self, client: httpx.AsyncClient, model: str) -> None:
+        body = {"model": model, "prompt": "p " * 64, "max_tokens": 32, "stream": True}
         while (not self.stopping and self.sent < MAX_REQUESTS
                and time.monotonic() < self.deadline):
             self.sent += 1
@@ -219,6 +227,7 @@ def test_the_knee_and_the_limit_are_drawn_as_status_reports(
                     f"{DRAWN_WITHIN:g} s: {exc!r}; last (page, status) pairs {seen[-3:]}")
     assert TOKEN not in browser.current_url  # read from the fragment, then wiped
     assert not page["login"]
+    assert page["pools"] == [] and not page["pools_shown"]  # one model: the page as it was
     assert page["knee"] > 0 and page["limit"] >= 1
     assert page["points"] > 0  # the learned curve's levels are drawn
     assert {"linear", "plateau"} <= set(page["regions"])  # a knee splits linear from plateau
@@ -255,3 +264,109 @@ def test_the_page_asks_for_the_token_and_sends_it(stack: Stack, browser: Any) ->
         lambda d: d.execute_script(READ_PAGE))
     assert page["limit"] is not None and not page["login"]
     assert TOKEN not in browser.current_url
+
+
+# --- two models: one row per pool -------------------------------------------------------
+
+# fixed limits, so the page's limits can be compared to the number; 6 clients a model on
+# limits of 2 and 3 keep both pools full and queueing
+POOLS_CONFIG = """\
+tick_interval: 0.1
+admin_token: {token}
+classes:
+  default: {{ttft_objective: 30.0}}
+upstreams:
+  - name: chat-0
+    url: http://127.0.0.1:{chat}
+    controller: fixed
+    params: {{initial: 2}}
+  - name: small-0
+    url: http://127.0.0.1:{small}
+    controller: fixed
+    params: {{initial: 3}}
+"""
+# what the pools test reads off the page, in one script call (as READ_PAGE)
+POOLS_PAGE = """
+const rows = Array.from(document.querySelectorAll('#pools tr.pool'));
+return {
+  shown: !(document.getElementById('pools') || {hidden: true}).hidden,
+  pools: rows.map(r => ({...r.dataset})),
+  articles: Object.fromEntries(Array.from(document.querySelectorAll('article.upstream'))
+    .map(a => [a.dataset.upstream, a.dataset.model])),
+  summary: document.getElementById('summary').textContent,
+};
+"""
+POOL_MODELS = ("chat", "small")
+PER_MODEL_CLIENTS = 6
+
+
+@pytest.fixture(scope="module")
+def pools_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    _browser_parts()
+    ports = {m: _free_port() for m in POOL_MODELS}
+    gp = _free_port()
+    cfg = tmp_path_factory.mktemp("pools") / "kneegate.yaml"
+    cfg.write_text(POOLS_CONFIG.format(token=TOKEN, **ports))
+    with contextlib.ExitStack() as stack:
+        for model, port in ports.items():
+            stack.enter_context(_child(
+                [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", "cpu-tiny",
+                 "--speed", "0.25", "--model-name", model, "--port", str(port)], port))
+        stack.enter_context(_child(
+            [sys.executable, "-m", "kneegate", "serve", "--config", str(cfg), "--port",
+             str(gp)], f"http://127.0.0.1:{gp}/health"))
+        load = Load(f"http://127.0.0.1:{gp}", POOL_MODELS, PER_MODEL_CLIENTS * 2)
+        try:
+            yield Stack(f"http://127.0.0.1:{gp}")
+        finally:
+            load.stop()
+        assert load.ok > 0, f"no request of {load.sent} was served"
+
+
+def _pool_rows_as_status_says(page: dict[str, Any], status: dict[str, Any]) -> bool:
+    """Each row says what `status` says of its pool: models, upstreams and their limits
+    exactly (fixed limits), a demand ratio near the status's (the page's is from its own
+    fetch, up to a second older), and shows the pool full with requests queued."""
+    limits = {u["name"]: u["limit"] for u in status["upstreams"]}
+    rows = page["pools"]
+    if len(rows) != len(status["pools"]):
+        return False
+    for row, pool in zip(rows, status["pools"], strict=True):
+        want = [limits[n] for n in pool["upstreams"]]
+        ratio = (pool["demand"] or {}).get("ratio")
+        if (row["model"] != ",".join(pool["models"])
+                or row["upstreams"] != ",".join(pool["upstreams"])
+                or row["limits"] != ",".join(map(str, want))
+                or int(row["limit"]) != sum(want)
+                or row["ratio"] == "" or not ratio
+                or abs(float(row["ratio"]) - ratio) > 0.5 * ratio
+                or int(row["inFlight"]) < 1 or int(row["queue"]) < 1):
+            return False
+    return True
+
+
+def test_each_pool_is_shown_by_model(pools_stack: Stack, browser: Any) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    seen: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    def shown(driver: Any) -> dict[str, Any] | None:
+        page = driver.execute_script(POOLS_PAGE)
+        status = pools_stack.status()
+        seen.append((page, status["pools"]))
+        return page if page["shown"] and _pool_rows_as_status_says(page, status) else None
+
+    browser.get(pools_stack.gw + f"/kneegate/#token={TOKEN}")
+    try:
+        page = WebDriverWait(browser, DRAWN_WITHIN, poll_frequency=0.5).until(shown)
+    except Exception as exc:  # selenium's TimeoutException: say what was seen
+        pytest.fail(f"the pools not shown as /kneegate/status reports within "
+                    f"{DRAWN_WITHIN:g} s: {exc!r}; last (page, status pools) {seen[-2:]}")
+    assert page is not None
+    assert [r["model"] for r in page["pools"]] == list(POOL_MODELS)
+    assert [r["upstreams"] for r in page["pools"]] == ["chat-0", "small-0"]
+    assert [r["limits"] for r in page["pools"]] == ["2", "3"]
+    # each upstream's own article names the model it serves
+    assert page["articles"] == {"chat-0": "chat", "small-0": "small"}
+    assert "2 pools by model" in page["summary"]
+

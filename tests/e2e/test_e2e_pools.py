@@ -99,6 +99,8 @@ async def test_a_full_pool_never_holds_the_other_back() -> None:
                 break
             await asyncio.sleep(0.01)
         assert llama_pool.queue.depth() == 1
+        pools = {p["models"][0]: p for p in app.gateway.status()["pools"]}
+        assert (pools["llama"]["queue"], pools["qwen"]["queue"]) == (1, 0)  # the live page's
         t0 = time.monotonic()
         r = await raw.post(gw + "/v1/completions",
                            json={"model": "qwen", "prompt": "x", "max_tokens": 2})

@@ -3,7 +3,9 @@
 // draws them as inline SVG: no library, no build step, nothing from outside this gateway.
 // Every value drawn is also written to the DOM (data-* attributes), so a test can read what
 // the page shows: article.upstream[data-upstream][data-limit][data-in-flight][data-knee],
-// g.knee-marker[data-knee][data-x], line.limit-line[data-limit][data-x], rect.region[...].
+// g.knee-marker[data-knee][data-x], line.limit-line[data-limit][data-x], rect.region[...],
+// and where the engines serve different models (several pools) one row per pool:
+// tr.pool[data-model][data-upstreams][data-limits][data-limit][data-in-flight][data-queue][data-ratio].
 //
 // The admin token, when the gateway has one, never goes into a URL the server sees: it is
 // taken from the fragment (#token=..., never sent) or from the form, kept in this tab's
@@ -90,11 +92,18 @@
       " (" + usable + " usable) · queued " + status.queue_total + " · " +
       fmt(status.completion_rate) + " completions/s");
     s.className = usable ? "" : "bad";
+    const pools = status.pools || [];
+    const modelsOf = new Map();
+    if (pools.length > 1) {
+      s.append(" · " + pools.length + " pools by model");
+      for (const p of pools) for (const n of p.upstreams) modelsOf.set(n, p.models);
+    }
+    renderPools(pools, ups);
     const section = byId("upstreams");
     const seen = new Set();
     for (const u of ups) {
       seen.add(u.name);
-      renderUpstream(section, u, now);
+      renderUpstream(section, u, now, modelsOf.get(u.name));
     }
     for (const el of Array.from(section.children)) {
       if (!seen.has(el.dataset.upstream)) el.remove();
@@ -106,7 +115,46 @@
     text(upd, "updated " + new Date().toLocaleTimeString());
   }
 
-  function renderUpstream(section, u, now) {
+  // Engines serving different models are pools, each admitted and queued on its own: one
+  // row per pool (its models, upstreams and their limits, in flight, queued, demand ratio).
+  // One pool, the usual case: the section stays hidden and the page is as it always was.
+  function renderPools(pools, ups) {
+    const sec = byId("pools");
+    const body = sec.querySelector("tbody");
+    body.replaceChildren();
+    sec.hidden = pools.length < 2;
+    if (sec.hidden) return;
+    const byName = new Map(ups.map(u => [u.name, u]));
+    for (const p of pools) {
+      const members = p.upstreams.map(n => byName.get(n)).filter(Boolean);
+      const limits = members.map(u => u.limit);
+      const limit = limits.reduce((a, b) => a + b, 0);
+      const inFlight = members.reduce((a, u) => a + u.in_flight, 0);
+      const d = p.demand;
+      const tr = el("tr", { class: "pool", "data-model": p.models.join(","),
+        "data-upstreams": p.upstreams.join(","), "data-limits": limits.join(","),
+        "data-limit": limit, "data-in-flight": inFlight,
+        "data-queue": p.queue == null ? "" : p.queue,
+        "data-ratio": d ? d.ratio : "" }, body, "html");
+      const cell = (s, cls) => { const td = text(el("td", {}, tr, "html"), s);
+        if (cls) td.className = cls; return td; };
+      cell(p.models.length ? p.models.join(", ") : "models not read yet");
+      const names = cell("");
+      members.forEach((u, i) => {
+        if (i) names.append(" · ");
+        const span = text(el("span", {}, names, "html"), u.name);
+        if (!u.usable) span.className = "bad";
+      });
+      cell(limits.length > 1 ? limit + " (" + limits.join(" + ") + ")" : String(limit), "num");
+      cell(String(inFlight), "num");
+      cell(p.queue == null ? "–" : String(p.queue), "num");
+      cell(d ? fmt(d.ratio) + " → " + d.suggested_replicas + " engine" +
+        (d.suggested_replicas === 1 ? "" : "s") : "not measured yet",
+        d && d.ratio > 1 ? "num bad" : "num");
+    }
+  }
+
+  function renderUpstream(section, u, now, models) {
     let art = section.querySelector('article[data-upstream="' + CSS.escape(u.name) + '"]');
     if (!art) {
       art = el("article", { class: "upstream", "data-upstream": u.name }, section, "html");
@@ -121,6 +169,8 @@
     h.append(u.name + " ");
     const state = [ctl.name, u.usable ? "usable" : "NOT usable", "scrape " + u.scrape];
     if (ctl.curve_of) state.push("curve of the " + ctl.curve_of);
+    if (models) state.unshift(models.length ? models.join(", ") : "models not read yet");
+    art.dataset.model = models ? models.join(",") : "";
     text(el("small", {}, h, "html"), state.join(" · ") + " · " + u.url);
     const body = el("div", { class: "body" }, art, "html");
     if (Array.isArray(ctl.curve)) {
