@@ -117,9 +117,13 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], seconds: float) -> Non
     raise RuntimeError(f"vLLM not healthy within {seconds}s")
 
 
-def start_vllm(py: Path, model: Path, *extra: str, max_model_len: int = MAX_MODEL_LEN
+def start_vllm(py: Path, model: Path, *extra: str, max_model_len: int = MAX_MODEL_LEN,
+               names: tuple[str, ...] = ("tiny",)
                ) -> tuple[subprocess.Popen[bytes], VllmServer]:
     """Start vLLM on a free loopback port; return once /health answers (or raise, stopped).
+
+    `names`: its served model names (vLLM lists each in /v1/models and names the first in
+    every answer's `model`).
 
     Engine defaults otherwise (max_num_seqs 128, max_num_batched_tokens 2048 on CPU); a 2 GiB
     KV cache (65536 float32 tokens of this model: never the limit at 128 x 192 tokens).
@@ -132,13 +136,13 @@ def start_vllm(py: Path, model: Path, *extra: str, max_model_len: int = MAX_MODE
     log = open(log_path, "wb")  # noqa: SIM115 - the child holds it as long as it runs
     proc = subprocess.Popen(
         [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--served-model-name", *names, "--host", "127.0.0.1", "--port", str(port),
          "--max-model-len", str(max_model_len), "--dtype", default_dtype(), *extra],
         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
     log.close()
-    server = VllmServer(f"http://127.0.0.1:{port}", proc.pid, "tiny", max_model_len, log_path)
+    server = VllmServer(f"http://127.0.0.1:{port}", proc.pid, names[0], max_model_len, log_path)
     try:
         wait_healthy(server.url, proc, START_TIMEOUT)
     except BaseException:
