@@ -11,12 +11,11 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kneegate.benchmarks.openloop import metric_totals
+from kneegate.benchmarks.openloop import fetch_metrics, metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
 from kneegate.benchmarks.peers import Peer, parse_peer
 from kneegate.benchmarks.peers import serving as peer_serving
@@ -104,8 +103,7 @@ def engine_holds(url: str) -> float | None:
     """The requests an engine runs and queues, by vLLM's series on its /metrics; None when
     it does not answer with them."""
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            totals = metric_totals(r.read().decode())
+        totals = metric_totals(fetch_metrics(url))
     except OSError:
         return None
     series = [totals.get(f"vllm:num_requests_{s}") for s in ("running", "waiting")]

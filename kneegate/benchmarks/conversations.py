@@ -39,7 +39,6 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +47,7 @@ from typing import Any
 import aiohttp
 
 from kneegate.benchmarks.engine.protocol import token_text
-from kneegate.benchmarks.openloop import metric_totals
+from kneegate.benchmarks.openloop import fetch_metrics, metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
 
 __all__ = ["ARMS", "main", "run_cell"]
@@ -178,8 +177,7 @@ async def run_cell(urls: list[str], arm: str, rate: float, args: argparse.Namesp
 def _cache_counts(engine_urls: list[str]) -> tuple[float, float]:
     hits = queries = 0.0
     for url in engine_urls:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            totals = metric_totals(r.read().decode())
+        totals = metric_totals(fetch_metrics(url))
         hits += totals.get("vllm:prefix_cache_hits_total", 0.0)
         queries += totals.get("vllm:prefix_cache_queries_total", 0.0)
     return hits, queries

@@ -33,7 +33,6 @@ import contextlib
 import json
 import sys
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from typing import Any
 
 import aiohttp
 
-from kneegate.benchmarks.openloop import Record, _Client, metric_totals
+from kneegate.benchmarks.openloop import Record, _Client, fetch_metrics, metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
 
 __all__ = ["CASES", "main"]
@@ -81,8 +80,7 @@ def _stack(profile: str) -> Iterator[tuple[str, int]]:
 
 
 def _read(url: str, pid: int) -> Reading:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-        totals = metric_totals(r.read().decode())
+    totals = metric_totals(fetch_metrics(url))
     rss = None
     with open(f"/proc/{pid}/status") as f:
         for line in f:

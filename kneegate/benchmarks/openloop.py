@@ -15,13 +15,14 @@ import json
 import math
 import random
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Record", "late_ticks", "metric_totals", "parse_keys", "run_cell"]
+__all__ = ["Record", "fetch_metrics", "late_ticks", "metric_totals", "parse_keys", "run_cell"]
 
 
 _MINTED = itertools.count(1)  # the keys minted by `--keys NAME*:SHARE` users
@@ -229,6 +230,13 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
         if rec.measured and rec.status is None and not rec.gave_up and rec.error is None:
             rec.error = "cancelled"  # past request_timeout while sending
     return users
+
+
+def fetch_metrics(url: str, timeout: float = 5.0) -> str:
+    """The Prometheus text a server (a gateway, an engine) exposes at `url`/metrics; raises
+    OSError when it does not answer."""
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+        return str(r.read().decode())
 
 
 def metric_totals(text: str) -> dict[str, float]:

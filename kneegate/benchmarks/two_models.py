@@ -57,7 +57,6 @@ import json
 import shlex
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +67,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kneegate.benchmarks.arms import Arm, _child, _serving
 from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
-from kneegate.benchmarks.openloop import Record, metric_totals, run_cell
+from kneegate.benchmarks.openloop import Record, fetch_metrics, metric_totals, run_cell
 from kneegate.benchmarks.overhead import _free_port
 from kneegate.benchmarks.two_models_figures import (
     COLS,
@@ -159,11 +158,6 @@ def _alone(engines: list[Engine], args: argparse.Namespace) -> Iterator[dict[str
             _serving(Arm("alone", e.flags, _gateway_flags(args)), e.profile)) for e in engines}
 
 
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return str(r.read().decode())
-
-
 # --- one cell -----------------------------------------------------------------------------
 
 
@@ -228,10 +222,10 @@ def run_arm(arm: str, engines: list[Engine], capacity: dict[str, float],
         else:
             gateways, engine_urls = stack.enter_context(_alone(engines, args)), {}
         users, watched = asyncio.run(_cell(gateways, rates, args, seed, arm == "pooled"))
-        refused = (_sample(_get(gateways[engines[0].model] + "/metrics"),
+        refused = (_sample(fetch_metrics(gateways[engines[0].model]),
                            "kneegate_client_rejections_total", reason="model_not_found")
                    if arm == "pooled" else 0.0)
-        served = {m: metric_totals(_get(u + "/metrics")).get("vllm:request_success_total")
+        served = {m: metric_totals(fetch_metrics(u)).get("vllm:request_success_total")
                   for m, u in engine_urls.items()}
     for e in engines:
         into, owners = watched[gateways[e.model]]

@@ -16,7 +16,8 @@ answer's `model`, so an answer says which engine made it.
    engine of the turn before, and vLLM's own prefix-cache hit rate (`vllm:prefix_cache_hits`
    over `_queries`, summed over both engines) is higher. At this light load most-room
    routing is mostly sticky by itself, so the difference is small here (0.42 against
-   0.34-0.39); under load, on the emulator: docs/benchmarks.md, "Pools: multi-turn chat on four replicas".
+   0.34-0.39); under load, on the emulator: docs/benchmarks.md, "Pools: multi-turn chat
+   on four replicas".
 
 Opt-in (`-m real_vllm`, and `slow`: two more vLLM servers, ~2-3 minutes to start on 2 cores).
 """
