@@ -85,7 +85,7 @@ def per_key(users: list[Record], seconds: float, max_tokens: int,
     out: dict[str, dict[str, Any]] = {}
     for key in sorted({r.key for r in users if r.measured}):
         recs = [r for r in users if r.measured and r.key == key]
-        asked = len(recs) * max_tokens
+        asked = sum(r.asked or max_tokens for r in recs)
         served = sum(r.tokens for r in recs
                      if r.done and r.ttft is not None and r.ttft <= objective)
         rejected = [r for r in recs if r.status is not None and r.status != 200]

@@ -47,6 +47,7 @@ class Record:
     prompt: int = 0  # its prompt's tokens, where they vary (`benchmarks.replay`)
     reason: str = ""  # a rejection's x-kneegate-reject-reason (a gateway's), else ""
     model: str = ""  # the model its answer named (the first token's chunk), "" before one
+    asked: int = 0  # the max_tokens it sent, where answers vary (`--spread`); 0: the fixed one
 
     @property
     def tpot(self) -> float | None:
@@ -79,7 +80,10 @@ class _Client:
         }
 
     async def one(self, rec: Record, body: dict[str, Any] | None = None) -> None:
-        """Send `body` (default: the fixed one) as user `rec`, and follow it to its end."""
+        """Send `body` (default: the fixed one, asking `rec.asked` tokens where that is set)
+        as user `rec`, and follow it to its end."""
+        if body is None and rec.asked:
+            body = {**self.body, "max_tokens": rec.asked}
         loop = asyncio.get_running_loop()
         sent, sent_loop = time.monotonic(), loop.time()
         bearer = rec.key
@@ -183,6 +187,10 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
     rng = random.Random(seed)
     keys = parse_keys(args.keys)
     key_rng = random.Random(seed + 1)  # its own stream: the arrival times stay as they were
+    # answers of varied length (`--spread S`: max_tokens uniform within +-S of --max-tokens),
+    # drawn from a stream of their own too; 0 (or a tool without the flag): every one alike
+    spread = getattr(args, "spread", 0.0)
+    length_rng = random.Random(seed + 2)
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     users = [] if users is None else users
@@ -213,6 +221,9 @@ async def run_cell(url: str, rate: float, args: argparse.Namespace, seed: int,
             rec = Record(measured=start <= now < end)
             if keys:
                 rec.key = key_rng.choices(list(keys), weights=list(keys.values()))[0]
+            if spread:
+                low, high = args.max_tokens * (1 - spread), args.max_tokens * (1 + spread)
+                rec.asked = max(1, round(length_rng.uniform(low, high)))
             users.append(rec)
             task = asyncio.create_task(client.one(rec))
             tasks.add(task)

@@ -12,8 +12,9 @@ requests started in the warm-up); `--capacity TOK_S` takes it as given instead (
 run one after the other then offer the same rate). Then, for every arm and load, a fresh
 engine (and gateway) receives Poisson arrivals at load x capacity (with `--upstream`, that
 engine, once it runs and queues nothing: `_wait_idle`): streamed, `--prompt-tokens` (128)
-token ids, `--max-tokens` (64) output tokens, ignore_eos. A user with no first token
-`--give-up` (20) s after sending closes the stream (gave up); a rejection is not retried.
+token ids, `--max-tokens` (64) output tokens (`--spread 0.5`: each user's drawn within +-50%,
+the mean unchanged), ignore_eos. A user with no first token `--give-up` (20) s after
+sending closes the stream (gave up); a rejection is not retried.
 
 Arms (`--arms`, comma-separated):
   direct          the engine alone
@@ -289,6 +290,9 @@ def parser() -> argparse.ArgumentParser:
                     "checkout) and measure it; valve-N arms start one with the flag each")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="answers of varied length: each user's max_tokens drawn uniformly "
+                    "within +-SPREAD of --max-tokens (0.5: 32-96 at 64), the mean unchanged")
     ap.add_argument("--capacity", type=float,
                     help="output tokens/s taken as the engine's capacity instead of measuring "
                     "it (builds compared side by side then offer one rate)")

@@ -192,6 +192,21 @@ def test_users_below_capacity_are_all_served_within_the_objective(emulator) -> N
     assert all(r.tpot is not None and 0 < r.tpot < 0.5 for r in recs)  # each answer streamed
 
 
+def test_a_spread_varies_each_answers_length_around_the_mean(emulator) -> None:  # type: ignore[no-untyped-def]
+    """`--spread 0.5`: each user asks for max_tokens within 32-96 and gets that many; the
+    demand per key counts what each asked for."""
+    url, _app = emulator
+    args = _args("--spread", "0.5", "--keys", "a:1")
+    users = asyncio.run(run_cell(url, 8.0, args, seed=4))
+    recs = [r for r in users if r.measured]
+    assert len(recs) >= 3
+    assert all(32 <= r.asked <= 96 for r in users)
+    assert len({r.asked for r in users}) > 1  # drawn, not one length
+    assert all(r.status == 200 and r.done and r.tokens == r.asked for r in recs)
+    demand = per_key(users, seconds=1.0, max_tokens=64, objective=2.0)["a"]["demand_tok_s"]
+    assert demand == sum(r.asked for r in recs)
+
+
 @asynccontextmanager
 async def _peer(answer: bytes | None) -> AsyncIterator[tuple[str, list[str]]]:
     """A raw HTTP peer: answers `answer` at once, or (None) never; logs how each ended."""
