@@ -38,6 +38,9 @@ tried for each: docs/design/wait.md.
   answer ended while the oldest in flight ran, so the n in flight free their slots no faster
   than n per that age. It starts at 0, so a burst onto a fresh gateway is queued, and only
   time without an answer refuses ("A cold start").
+- **Counted in requests, not tokens**: the k-th queued request starts when k + 1 requests in
+  flight have ended, whatever the sizes queued ahead of it; weighting the queue by its tokens
+  predicted the simulator's trace waits worse ("Counted in requests, not tokens").
 - **The queue's own drain**: where dispatches out of the queue (`departures`) are slower than
   answers end (an answer that ends while the limit is under what is in flight frees no slot;
   a small one's KV is too little for a larger request), the prediction takes the slower rate
