@@ -18,6 +18,9 @@ Arms (`--arms`):
                workload the replica holding its longest prefix, so the hit-rate oracle
   most-room    kneegate in front of all replicas, prefix affinity off: the least full
   affinity     kneegate, prefix affinity on (its default)
+  vllm-router  vLLM's own router in front of all replicas, in its cache-aware mode (its
+               default policy and thresholds); installed apart (`benchmarks.peers`), named
+               with `--peer-bin DIR` (else the PATH); not among the default arms
 
 Columns: hit rate (the replicas' `vllm:prefix_cache_hits` / `_queries` over the cell), and
 by the user's clock, from send: goodput (output tokens/s of turns whose first token came
@@ -49,10 +52,13 @@ import aiohttp
 from kneegate.benchmarks.engine.protocol import token_text
 from kneegate.benchmarks.openloop import fetch_metrics, metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
+from kneegate.benchmarks.peers import START_S
+from kneegate.benchmarks.peers import find as find_peer
 
-__all__ = ["ARMS", "main", "run_cell"]
+__all__ = ["ARMS", "PEER_ARMS", "main", "router_command", "run_cell"]
 
-ARMS = ("round-robin", "sticky", "most-room", "affinity")
+ARMS = ("round-robin", "sticky", "most-room", "affinity")  # the default arms
+PEER_ARMS = ("vllm-router",)  # the gateways installed apart, run where asked for
 MODEL = "cpu-tiny"
 
 
@@ -97,7 +103,7 @@ class Conversations:
         if self.arm == "round-robin":
             self.next_url = (self.next_url + 1) % len(self.urls)
             return self.urls[self.next_url]
-        return self.urls[0]  # the gateway
+        return self.urls[0]  # the gateway (kneegate, or vllm-router)
 
     async def one(self, session: aiohttp.ClientSession, conv: int, window: tuple[float, float],
                   end: float) -> None:
@@ -211,6 +217,22 @@ def _gateway(engines: list[str], affinity: bool, workdir: Path) -> Iterator[str]
         yield f"http://127.0.0.1:{port}"
 
 
+def router_command(program: str, engines: list[str], port: int) -> list[str]:
+    """vllm-router's command line in front of `engines`: its cache-aware policy (its
+    default, named so that a later default cannot change the arm), its thresholds."""
+    return [program, "--worker-urls", *engines, "--policy", "cache_aware",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+
+
+@contextlib.contextmanager
+def _vllm_router(engines: list[str], bin_dir: Path | None) -> Iterator[str]:
+    """vllm-router in front of `engines`, until the block ends; yields its URL."""
+    port = _free_port()
+    cmd = router_command(find_peer("vllm-router", bin_dir), engines, port)
+    with _process(cmd, f"http://127.0.0.1:{port}/health", start_s=START_S):
+        yield f"http://127.0.0.1:{port}"
+
+
 def measure_capacity(args: argparse.Namespace) -> float:
     """One replica's output tokens/s for this mix, caching off: a closed loop of
     `--capacity-streams` conversations' worth of prompts of the mean turn's size."""
@@ -260,6 +282,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 with _replicas(args.replicas, caching=True) as engines, contextlib.ExitStack() as s:
                     if arm in ("most-room", "affinity"):
                         urls = [s.enter_context(_gateway(engines, arm == "affinity", workdir))]
+                    elif arm == "vllm-router":
+                        urls = [s.enter_context(_vllm_router(engines, args.peer_bin))]
                     else:
                         urls = engines
                     cell = asyncio.run(run_cell(urls, arm, rate, args, seed=1000 * r + 7))
@@ -318,14 +342,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity-streams", type=int, default=64)
     ap.add_argument("--capacity-seconds", type=float, default=15.0)
     ap.add_argument("--workdir", default="/tmp/kneegate-conversations")
+    ap.add_argument("--peer-bin", type=Path, metavar="DIR",
+                    help="where the vllm-router arm's program is (default: the PATH)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    unknown = set(args.arms) - set(ARMS)
+    unknown = set(args.arms) - set(ARMS) - set(PEER_ARMS)
     if unknown:
-        parser().error(f"unknown arm(s) {sorted(unknown)}; choose from {', '.join(ARMS)}")
+        parser().error(f"unknown arm(s) {sorted(unknown)}; choose from "
+                       f"{', '.join(ARMS + PEER_ARMS)}")
+    for peer in set(args.arms) & set(PEER_ARMS):  # missing: say what to install, at once
+        find_peer(peer, args.peer_bin)
     run(args)
     return 0
 

@@ -36,6 +36,11 @@ Columns (each user's times from the moment it sent its request):
   TTFT p50/p99  from send, of the users who got a first token
   by size    refused / sent per prompt-size bucket (tokens, after capping)
 
+`--replicas N` (N > 1) replays onto N emulators: the direct and valve arms send each
+request to the next engine in turn (a Kubernetes Service), the gateway arms put one
+`kneegate serve` in front of all N (a fixed-N arm: N per engine); the capacity is N x one
+engine's (measured on one, as above).
+
 Bounded: each cell sends at most the schedule's requests, and waits at most
 `--request-timeout` s after its last arrival; a user with no first token after `--give-up`
 s leaves.
@@ -46,12 +51,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import shlex
 import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,11 +66,12 @@ from typing import Any
 import aiohttp
 
 from kneegate.benchmarks import trace
-from kneegate.benchmarks.arms import Arm, _serving
+from kneegate.benchmarks.arms import Arm, _child, _serving
 from kneegate.benchmarks.figures import _fmt, summarize
 from kneegate.benchmarks.openloop import Record, _Client
+from kneegate.benchmarks.overhead import _free_port
 
-__all__ = ["BUCKETS", "arms", "by_bucket", "main", "run"]
+__all__ = ["BUCKETS", "arms", "by_bucket", "main", "replay", "run", "serving"]
 
 BUCKETS = (256, 1024, 2048)  # prompt-size buckets' upper bounds (tokens); the last is open
 _ROUND_ROWS = 997  # each round replays from this many rows further into the trace
@@ -114,8 +122,10 @@ def _body(args: argparse.Namespace, req: trace.Request) -> dict[str, Any]:
             "stream_options": {"include_usage": True}, "ignore_eos": True}
 
 
-async def replay(url: str, reqs: list[trace.Request], args: argparse.Namespace) -> list[Record]:
-    """Send `reqs` at their `at` (seconds from now); the first `--warmup` s unmeasured."""
+async def replay(urls: list[str], reqs: list[trace.Request],
+                 args: argparse.Namespace) -> list[Record]:
+    """Send `reqs` at their `at` (seconds from now), each to the next of `urls` in turn;
+    the first `--warmup` s unmeasured."""
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     users: list[Record] = []
@@ -123,18 +133,46 @@ async def replay(url: str, reqs: list[trace.Request], args: argparse.Namespace) 
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         t0 = time.monotonic()
         window = (t0 + args.warmup, t0 + args.warmup + args.seconds)
-        client = _Client(session, url, args, window)
-        for req in reqs:
+        clients = [_Client(session, url, args, window) for url in urls]
+        for i, req in enumerate(reqs):
             if (delay := t0 + req.at - time.monotonic()) > 0:
                 await asyncio.sleep(delay)
             rec = Record(measured=args.warmup <= req.at, prompt=req.prompt)
             users.append(rec)
+            client = clients[i % len(clients)]
             tasks.append(asyncio.create_task(client.one(rec, _body(args, req))))
         _, late = await asyncio.wait(tasks, timeout=args.request_timeout) if tasks else ((), ())
         for task in late:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return users
+
+
+@contextlib.contextmanager
+def serving(arm: Arm, args: argparse.Namespace) -> Iterator[list[str]]:
+    """A fresh engine (and gateway) for one cell, or `--replicas` of them: the URLs the
+    users send to, in turn (one: the engine, or the gateway in front of every engine)."""
+    if args.replicas <= 1:
+        with _serving(arm, args.profile, args.upstream) as url:
+            yield [url]
+        return
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for _ in range(args.replicas):
+            port = _free_port()
+            stack.enter_context(_child(
+                [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", args.profile,
+                 "--port", str(port), *arm.engine_flags], port))
+            engines.append(f"http://127.0.0.1:{port}")
+        if arm.gateway_flags is None:
+            yield engines
+            return
+        gp = _free_port()
+        upstreams = [a for url in engines for a in ("--upstream", url)]
+        stack.enter_context(_child(
+            [sys.executable, "-m", "kneegate", "serve", *upstreams, "--port", str(gp),
+             *arm.gateway_flags], f"http://127.0.0.1:{gp}/health"))
+        yield [f"http://127.0.0.1:{gp}"]
 
 
 async def closed_loop(url: str, reqs: list[trace.Request], args: argparse.Namespace) -> float:
@@ -212,12 +250,14 @@ def run(args: argparse.Namespace) -> Report:
             rep.capacity_tok_s = args.capacity
         else:
             rep.capacity_tok_s = asyncio.run(closed_loop(url, rows[args.start:], args))
+            rep.capacity_tok_s *= max(1, args.replicas)  # one engine's, times the replicas
     rep.capacity_rps = rep.capacity_tok_s / rep.mean_output
     if rep.capacity_rps <= 0:
         raise RuntimeError("the engine completed nothing in the capacity run")
     print(f"trace {args.trace}: context {rep.context}, mean answer {rep.mean_output:.0f} tokens;"
           f" capacity {rep.capacity_tok_s:.0f} output tok/s = {rep.capacity_rps:.2f} req/s "
-          f"({'given' if args.capacity else f'{args.capacity_streams} streams closed loop'});"
+          f"({'given' if args.capacity else f'{args.capacity_streams} streams closed loop'}"
+          f"{f', x {args.replicas} replicas' if args.replicas > 1 else ''});"
           f" objective {args.objective:g} s from send", flush=True)
     print(_COLS, flush=True)
     for load in (float(x) for x in args.loads.split(",") if x.strip()):
@@ -227,8 +267,8 @@ def run(args: argparse.Namespace) -> Report:
                                   args.start + _ROUND_ROWS * rnd)
             cells = []
             for arm in the_arms:
-                with _serving(arm, args.profile, args.upstream) as url:
-                    users = asyncio.run(replay(url, reqs, args))
+                with serving(arm, args) as urls:
+                    users = asyncio.run(replay(urls, reqs, args))
                 s = summarize(users, args.seconds, rep.capacity_tok_s, args.objective)
                 measured = [u for u in users if u.measured]
                 good = [u for u in measured if u.ttft is not None and u.ttft <= args.objective]
@@ -289,6 +329,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the most a cell waits for its users after its last arrival")
     ap.add_argument("--profile", default="cpu-tiny", help="emulator profile")
     ap.add_argument("--upstream", help="a running engine instead of a fresh emulator per cell")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="emulators per cell: round robin without a gateway, one gateway "
+                    "in front of all with one")
     ap.add_argument("--model", help="the model name requests carry (default: the profile)")
     ap.add_argument("--context", type=int, help="the engine's context (default: its /v1/models)")
     ap.add_argument("--max-prompt", type=int, help="cap prompts at this many tokens and keep "
@@ -311,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         arms(args.arms)
     except ValueError as exc:
         raise SystemExit(f"--arms: {exc}") from exc
+    if args.replicas > 1 and args.upstream:
+        raise SystemExit("--replicas starts emulators: it takes no --upstream")
     rep = run(args)
     if args.json:
         args.json.write_text(json.dumps(rep.__dict__, indent=1, default=str))

@@ -1,0 +1,77 @@
+"""The trace replay benchmark's parts: its arms, refusals by prompt size, and a replay onto
+several replicas (real processes, real sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+
+from kneegate.benchmarks import trace
+from kneegate.benchmarks.arms import Arm
+from kneegate.benchmarks.openloop import Record, fetch_metrics, metric_totals
+from kneegate.benchmarks.replay import arms, by_bucket, parser, replay, serving
+
+
+def _args(*extra: str):  # type: ignore[no-untyped-def]
+    return parser().parse_args(["--warmup", "0", "--seconds", "5", "--request-timeout", "20",
+                                *extra])
+
+
+def test_arms_name_the_gateway_its_fixed_limits_and_the_valve() -> None:
+    a = {x.name: x for x in arms("direct,kneegate,fixed-32,valve-512")}
+    assert a["direct"].gateway_flags is None and a["direct"].engine_flags == ()
+    assert a["kneegate"].gateway_flags == ()
+    assert a["fixed-32"].gateway_flags == ("--controller", "fixed", "--limit", "32")
+    assert a["valve-512"].engine_flags == ("--max-num-queued-tokens", "512")
+    assert a["valve-512"].gateway_flags is None
+    for bad in ("fixed-0", "fixed-x", "oracle"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            arms(bad)
+
+
+def test_refusals_are_counted_by_prompt_size_among_the_measured_users() -> None:
+    users = [Record(measured=True, prompt=100, status=429),
+             Record(measured=True, prompt=100, status=200),
+             Record(measured=True, prompt=3000, status=503),
+             Record(measured=False, prompt=100, status=429),  # warm-up: not counted
+             Record(measured=True, prompt=500, gave_up=True)]  # left: not a refusal
+    assert by_bucket(users) == {"0-256": (1, 2), ">=2048": (1, 1), "256-1024": (0, 1)}
+
+
+def _served(url: str) -> float:
+    return metric_totals(fetch_metrics(url)).get("vllm:request_success_total", 0.0)
+
+
+def test_without_a_gateway_the_replicas_take_the_requests_in_turn() -> None:
+    args = _args("--replicas", "2")
+    reqs = [trace.Request(at=0.05 * i, prompt=16, output=4) for i in range(6)]
+    with serving(Arm("direct"), args) as urls:
+        assert len(urls) == 2 and urls[0] != urls[1]
+        users = asyncio.run(replay(urls, reqs, args))
+        served = [_served(u) for u in urls]
+    assert len(users) == 6 and all(u.status == 200 and u.done and u.tokens == 4 for u in users)
+    assert served == [3.0, 3.0]
+
+
+def test_a_gateway_arm_puts_one_gateway_in_front_of_every_replica() -> None:
+    args = _args("--replicas", "2")
+    reqs = [trace.Request(at=0.0, prompt=16, output=4)]
+    with serving(Arm("fixed-3", gateway_flags=("--controller", "fixed", "--limit", "3")),
+                 args) as urls:
+        assert len(urls) == 1
+        users = asyncio.run(replay(urls, reqs, args))
+        with urllib.request.urlopen(urls[0] + "/kneegate/status", timeout=10) as r:
+            upstreams = json.load(r)["upstreams"]
+    assert users[0].status == 200 and users[0].done
+    assert len(upstreams) == 2 and len({u["url"] for u in upstreams}) == 2
+    assert [u["limit"] for u in upstreams] == [3, 3]  # fixed-N: N per engine
+
+
+def test_replicas_take_no_running_upstream() -> None:
+    from kneegate.benchmarks.replay import main
+
+    with pytest.raises(SystemExit, match="no --upstream"):
+        main(["--replicas", "2", "--upstream", "http://127.0.0.1:9"])
