@@ -337,7 +337,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt", type=int, help="cap prompts at this many tokens and keep "
                     "answers as recorded, instead of fitting both to the context: requests "
                     "over the context are then answered 400 in every arm")
-    ap.add_argument("--capacity", type=float, help="output tokens/s taken as the capacity")
+    ap.add_argument("--capacity", type=float, help="output tokens/s taken as the capacity "
+                    "(with --replicas, the whole pool's)")
     ap.add_argument("--capacity-streams", type=int, default=64)
     ap.add_argument("--capacity-seconds", type=float, default=20.0)
     ap.add_argument("--capacity-warmup", type=float, default=5.0)
