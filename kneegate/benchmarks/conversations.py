@@ -60,6 +60,7 @@ __all__ = ["ARMS", "PEER_ARMS", "main", "router_command", "run_cell"]
 ARMS = ("round-robin", "sticky", "most-room", "affinity")  # the default arms
 PEER_ARMS = ("vllm-router",)  # the gateways installed apart, run where asked for
 MODEL = "cpu-tiny"
+_LETTERS = "abcdefghijklmnopqrstuvwxyz "
 
 
 @dataclass(slots=True)
@@ -81,8 +82,13 @@ class Cell:
 
 
 def _text(tokens: int, tag: str) -> str:
-    """About `tokens` of the emulator's tokens (4 bytes each), beginning with `tag`."""
-    return (tag + " " + "w" * (4 * tokens)).ljust(4 * tokens)[: 4 * tokens]
+    """About `tokens` of the emulator's tokens (4 bytes each): `tag`, then letters drawn from
+    a generator seeded by it. Two texts differ all along, as real prompts do, for a router
+    that matches prefixes by characters (vllm-router's cache-aware policy); the engine's
+    blocks differ from the tag on, whatever follows it."""
+    rng = random.Random(tag)
+    body = "".join(rng.choices(_LETTERS, k=4 * tokens))
+    return (tag + " " + body)[: 4 * tokens]
 
 
 def _answer(n: int) -> str:
