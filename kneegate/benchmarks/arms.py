@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,8 @@ from kneegate.benchmarks.overhead import _free_port, _process
 from kneegate.benchmarks.peers import Peer, parse_peer
 from kneegate.benchmarks.peers import serving as peer_serving
 
-__all__ = ["ARMS", "Arm", "engine_holds", "parse_arms", "valve_sizes"]
+__all__ = ["ARMS", "Arm", "engine_command", "engine_holds", "gateway_command", "parse_arms",
+           "valve_sizes"]
 
 
 ARMS = ("direct", "valve", "kneegate", "kneegate-w2", "kneegate-fixed")
@@ -73,6 +74,18 @@ def parse_arms(text: str, valves: list[int], fixed_limit: int | None) -> list[Ar
 
 def _arm_names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def engine_command(profile: str, port: int, flags: Sequence[str] = ()) -> list[str]:
+    """An emulator of `profile` on `port`, with vLLM's `flags`: its command line."""
+    return [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", profile,
+            "--port", str(port), *flags]
+
+
+def gateway_command(upstreams: Sequence[str], port: int, flags: Sequence[str] = ()) -> list[str]:
+    """`kneegate serve` in front of `upstreams` on `port`, with `flags`: its command line."""
+    ups = [a for url in upstreams for a in ("--upstream", url)]
+    return [sys.executable, "-m", "kneegate", "serve", *ups, "--port", str(port), *flags]
 
 
 @contextlib.contextmanager
@@ -138,21 +151,17 @@ def _serving(arm: Arm, profile: str, upstream: str | None = None,
             yield upstream
             return
         gp = _free_port()
-        gateway = [sys.executable, "-m", "kneegate", "serve", "--upstream", upstream,
-                   "--port", str(gp), *arm.gateway_flags]
+        gateway = gateway_command([upstream], gp, arm.gateway_flags)
         with _child(gateway, f"http://127.0.0.1:{gp}/health"):
             yield f"http://127.0.0.1:{gp}"
         return
     ep = _free_port()
-    engine = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", profile,
-              "--port", str(ep), *arm.engine_flags]
-    with _child(engine, ep):
+    with _child(engine_command(profile, ep, arm.engine_flags), ep):
         if arm.gateway_flags is None:
             yield f"http://127.0.0.1:{ep}"
             return
         gp = _free_port()
-        gateway = [sys.executable, "-m", "kneegate", "serve", "--upstream",
-                   f"http://127.0.0.1:{ep}", "--port", str(gp), *arm.gateway_flags]
+        gateway = gateway_command([f"http://127.0.0.1:{ep}"], gp, arm.gateway_flags)
         with _child(gateway, f"http://127.0.0.1:{gp}/health"):
             yield f"http://127.0.0.1:{gp}"
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import aiohttp
 
+from kneegate.benchmarks.arms import engine_command
 from kneegate.benchmarks.engine.protocol import token_text
 from kneegate.benchmarks.openloop import fetch_metrics, metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
@@ -201,10 +202,8 @@ def _replicas(n: int, caching: bool) -> Iterator[list[str]]:
         urls = []
         for _ in range(n):
             port = _free_port()
-            cmd = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", MODEL,
-                   "--port", str(port),
-                   "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
-            stack.enter_context(_process(cmd, port))
+            flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+            stack.enter_context(_process(engine_command(MODEL, port, [flag]), port))
             urls.append(f"http://127.0.0.1:{port}")
         yield urls
 

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kneegate.benchmarks.arms import engine_command
 from kneegate.benchmarks.openloop import fetch_metrics, metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
 
@@ -110,9 +111,7 @@ def _engine(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
             yield url, "tiny"
     else:
         port = _free_port()
-        cmd = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", args.profile,
-               "--port", str(port), "--enable-prefix-caching"]
-        with _process(cmd, port):
+        with _process(engine_command(args.profile, port, ["--enable-prefix-caching"]), port):
             yield f"http://127.0.0.1:{port}", args.model or args.profile
 
 

@@ -66,7 +66,7 @@ from typing import Any
 import aiohttp
 
 from kneegate.benchmarks import trace
-from kneegate.benchmarks.arms import Arm, _child, _serving
+from kneegate.benchmarks.arms import Arm, _child, _serving, engine_command, gateway_command
 from kneegate.benchmarks.figures import _fmt, summarize
 from kneegate.benchmarks.openloop import Record, _Client
 from kneegate.benchmarks.overhead import _free_port
@@ -160,18 +160,15 @@ def serving(arm: Arm, args: argparse.Namespace) -> Iterator[list[str]]:
         engines = []
         for _ in range(args.replicas):
             port = _free_port()
-            stack.enter_context(_child(
-                [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", args.profile,
-                 "--port", str(port), *arm.engine_flags], port))
+            stack.enter_context(_child(engine_command(args.profile, port, arm.engine_flags),
+                                       port))
             engines.append(f"http://127.0.0.1:{port}")
         if arm.gateway_flags is None:
             yield engines
             return
         gp = _free_port()
-        upstreams = [a for url in engines for a in ("--upstream", url)]
-        stack.enter_context(_child(
-            [sys.executable, "-m", "kneegate", "serve", *upstreams, "--port", str(gp),
-             *arm.gateway_flags], f"http://127.0.0.1:{gp}/health"))
+        stack.enter_context(_child(gateway_command(engines, gp, arm.gateway_flags),
+                                   f"http://127.0.0.1:{gp}/health"))
         yield [f"http://127.0.0.1:{gp}"]
 
 
