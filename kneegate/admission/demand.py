@@ -58,6 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 __all__ = ["Demand", "DemandEstimate"]
 
@@ -94,6 +95,8 @@ def suggested_replicas(engines: int, ratio: float, target: float) -> int:
 class Demand:
     """Decayed sums of arrivals, completions and in-flight time; see the module doc."""
 
+    EXCESS: ClassVar[float] = 1.2  # arrivals per completion over which there is an excess
+    EXCESS_MARGIN: ClassVar[float] = 4.0  # and this many arrivals more than completions
     half_life: float = 15.0  # seconds
     warm: int = 8  # completions before a capacity is read
     settle: float = 2.0  # and mean request lifetimes (S / C) since the first event
@@ -152,6 +155,23 @@ class Demand:
                 self._span * w + held)
 
     # --- reading -------------------------------------------------------------------
+
+    def arrivals_per_completion(self) -> float:
+        """A / C: ~1 while the engines serve what arrives (completions trail arrivals by a
+        request's lifetime, and decayed alike the two sums meet), the multiple of what they
+        serve under overload (refused arrivals count, only served ones end). Both decay
+        alike, so the ratio is the same at any later time. inf with arrivals and no
+        completion yet, 0 with no arrival."""
+        if self._completions > 0:
+            return self._arrivals / self._completions
+        return math.inf if self._arrivals > 0 else 0.0
+
+    def excess(self) -> bool:
+        """More arrives than the engines serve: A over `EXCESS` x C, and by more than
+        `EXCESS_MARGIN` requests (decayed), which the first few events of a start, one
+        arrival ahead of its completion, do not make."""
+        a, c = self._arrivals, self._completions
+        return a > self.EXCESS * c and a - c > self.EXCESS_MARGIN
 
     def estimate(self, now: float, limits: Sequence[int], target: float) -> DemandEstimate | None:
         """The reading at `now` for usable upstreams with these `limits`; None until `warm`

@@ -35,23 +35,28 @@ very code.
                 and when a slot frees, what each controller hears
 
 The queue is bounded by time as well as by count. Each class has a TTFT objective, seconds
-from a request's arrival to its first token (a request may carry a tighter one). On offer,
-a request that cannot be admitted at once is refused (429 `over_objective`) when its
-predicted wait in the queue, (queued ahead + 1) / the measured completion rate, or the
-queue's own drain rate where that is slower, but no less than the oldest answer in flight
-has left to run (`_first_free`; before four answers have ended, (ahead + 1) x the oldest's
-age / in flight: `_cold_wait`), is more than its class's
-`queue_budget` (0.25) of the objective less the engine's recent TTFT: told at once, not
-after waiting (the prediction, and why a quarter: `admission.wait`). The budget rations the
-excess of tenants over their share: a tenant holding fewer requests here than its weighted
-share of the slots (`FairQueue.under_share`; never a tenant alone) may be predicted to wait
-the whole objective less the engine's TTFT for its place, and is then queued even where the
-last place is late by that budget: where slots free in waves (answers of one length), the
-next one is often further than a quarter of the objective, and with every tenant held to
-it fair shares had nothing queued to order (docs/experiments/2026-12-07-trace-scale.md). A
-queued request leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its
-objective less the engine's TTFT has passed, and is never dispatched after that: the engine
-does no work for a user who will see a miss or has left.
+from a request's arrival to its first token (a request may carry a tighter one). On offer, a
+request that cannot be admitted at once is refused (429 `over_objective`) when its predicted
+wait in the queue, (queued ahead + 1) / the measured completion rate, or the queue's own
+drain rate where that is slower, but no less than the oldest answer in flight has left to
+run (`_first_free`; before four answers have ended, (ahead + 1) x the oldest's age / in
+flight: `_cold_wait`), is more than its class's `queue_budget` (0.25) of the objective less
+the engine's recent TTFT: told at once, not after waiting (the prediction, and why a
+quarter: `admission.wait`). The quarter rations an excess, and holds only where there is one
+(`Demand.excess`: arrivals outnumber completions); without one the budget is the whole
+objective less the engine's TTFT, and a request that only the engines' prefill backlog holds
+back (an upstream with a free slot at its `prefill_cap`) is queued unpredicted: there it
+waits for the prefills ahead of it as it would in the engine's own queue, and leaves at its
+deadline if they outlast it. Under an excess, the budget rations the excess of tenants over
+their share: a tenant holding fewer requests here than its weighted share of the slots
+(`FairQueue.under_share`; never a tenant alone) may be predicted to wait the whole objective
+less the engine's TTFT for its place, and is then queued even where the last place is late
+by that budget: where slots free in waves (answers of one length), the next one is often
+further than a quarter of the objective, and with every tenant held to it fair shares had
+nothing queued to order (docs/experiments/2026-12-07-trace-scale.md). A queued request
+leaves the queue (503 `queue_timeout`) once its class's `max_wait` or its objective less the
+engine's TTFT has passed, and is never dispatched after that: the engine does no work for a
+user who will see a miss or has left.
 
 Which request a full queue sheds: when a class's queue must lose one (the arrival's place
 is within its objective but the last queued request's is not, or the class is at its
@@ -161,19 +166,24 @@ class AdmissionQueue(ClassQueues):
                 return Admitted(up)
         policy = self.classes[cls]
         objective = self.objective(ticket)
-        budget = self._wait.budget(policy.queue_budget, objective)
+        # the budget rations an excess of arrivals over what the engines serve; with none,
+        # a refused request is goodput lost, not one that the next arrival replaces, and
+        # one that only an engine's prefill backlog holds back waits here as it would there
+        rationed = self.demand.excess()
+        held = not rationed and self._prefill_held(ticket.model)
+        budget = self._wait.budget(policy.queue_budget if rationed else 1.0, objective)
         # the budget rations the excess of tenants over their share: one under its share
         # may wait for its place as long as its objective allows
         under = q.under_share(ticket, self._slots())
         own = self._wait.budget(1.0, objective) if under else budget
         ahead = higher + q.position(ticket)
-        wait = self._predict(ahead, now)
+        wait = None if held else self._predict(ahead, now)
         if wait is not None and wait > own:  # even its fair place is too late
             return over_objective(objective, ahead, wait + self.engine_ttft,
                                   self._clamp(wait - own))
         # someone's place is too late (the last's), or the queue is at its count: the
         # request to shed is the newest of the tenant furthest over its share
-        last = self._predict(higher + len(q), now)
+        last = None if held else self._predict(higher + len(q), now)
         late = last is not None and last > budget
         full = len(q) >= self.capacity(cls) or self.depth() >= self.max_queue
         evicted: tuple[Ticket, Rejected] | None = None

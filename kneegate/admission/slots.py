@@ -105,6 +105,15 @@ class Slots:
             return self._cold_wait(ahead, now)
         return max(wait, self._first_free(now))
 
+    def _prefill_held(self, model: str | None) -> bool:
+        """Some usable upstream serving `model` has a free slot, and only its prefill
+        backlog (`prefill_cap`) keeps it from taking another request."""
+        for u in self.upstreams:
+            if (u.prefill_cap and u.prefilling >= u.prefill_cap and u.usable
+                    and not u.refusing and u.inflight < u.limit and u.serves(model)):
+                return True
+        return False
+
     def _unproven(self) -> bool:
         """Some usable upstream has shown no saturation yet (its slow start is open)."""
         for u in self.upstreams:

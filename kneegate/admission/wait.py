@@ -9,7 +9,8 @@ Pure, like the queue that uses them (`admission.queue`): no clock, time comes in
                     duration, the mean dispatch to the end of an answer (an EWMA);
                     engine_ttft, the engine's recent TTFT, dispatch to first token (the first
                     one taken whole, then an EWMA of weight 0.1 per first token);
-                    budget = queue_budget x (objective - engine_ttft)
+                    budget = queue_budget x (objective - engine_ttft) while arrivals
+                    outnumber completions (`Demand.excess`), else objective - engine_ttft
     PrefillLine     ttft = base + slope x the prefill backlog a request found; the backlog
                     a horizon allows (`cap`)
     StandingQueue   the safety net: a class's queue stands once every head has waited
@@ -27,7 +28,13 @@ tried for each: docs/design/wait.md.
   queue wait is over it is refused at once (429 `over_objective`). A quarter of the objective
   (`queue_budget`, 0.25) because the queue only has to cover the moment between two
   completions to keep the engine full; a request queued near the edge of its objective
-  misses it on any variance, and then it had waited for nothing ("The budget").
+  misses it on any variance, and then it had waited for nothing ("The budget"). The quarter
+  rations an excess, so it holds only where there is one: while arrivals outnumber
+  completions (`Demand.excess`: by over 1.2 to 1 and over 4, over the scale-out signal's
+  half-life). Without one, a request refused is goodput lost, not one that the next
+  arrival replaces: it may be predicted to wait what its objective allows, and one that
+  only an engine's prefill backlog holds back is queued unpredicted, to wait for the
+  prefills ahead as it would in the engine's own queue ("An excess to ration").
 - **The safety net**, for when the prediction is wrong (capacity fell, prompts grew, other
   gateways share the engine): while a class's queue stands, `AdmissionQueue.pump` answers a
   head over target 503 instead of dispatching it: CoDel's test (a minimum sojourn above

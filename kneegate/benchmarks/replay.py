@@ -33,6 +33,8 @@ Columns (each user's times from the moment it sent its request):
   good       share of the measured users whose first token came within the objective
   refused    measured users answered other than 200, by reason (a gateway's
              x-kneegate-reject-reason, else the status)
+  lost       of those, the ones the direct arm served within the objective in the same round
+             (the same request, sent at the same moment): refusals without evidence
   TTFT p50/p99  from send, of the users who got a first token
   by size    refused / sent per prompt-size bucket (tokens, after capping)
 
@@ -71,7 +73,7 @@ from kneegate.benchmarks.figures import _fmt, summarize
 from kneegate.benchmarks.openloop import Record, _Client
 from kneegate.benchmarks.overhead import _free_port
 
-__all__ = ["BUCKETS", "arms", "by_bucket", "main", "replay", "run", "serving"]
+__all__ = ["BUCKETS", "arms", "by_bucket", "lost", "main", "replay", "run", "serving"]
 
 BUCKETS = (256, 1024, 2048)  # prompt-size buckets' upper bounds (tokens); the last is open
 _ROUND_ROWS = 997  # each round replays from this many rows further into the trace
@@ -93,6 +95,17 @@ def arms(text: str) -> list[Arm]:
         else:
             raise ValueError(f"unknown arm {name!r}: direct, kneegate, fixed-N or valve-N")
     return out
+
+
+def _refused(u: Record) -> bool:
+    return u.status is not None and u.status != 200 and not u.gave_up
+
+
+def lost(users: list[Record], direct: list[Record], objective: float) -> int:
+    """Measured users of an arm refused though the direct arm's user at the same place of
+    the same schedule got its first token within `objective`."""
+    return sum(1 for u, d in zip(users, direct, strict=True)
+               if u.measured and _refused(u) and d.ttft is not None and d.ttft <= objective)
 
 
 def _bucket(prompt: int) -> str:
@@ -218,7 +231,8 @@ class Report:
 
 
 _COLS = (f"{'arm':<12} {'load':>4} {'sent':>5} {'goodput':>8} {'/direct':>7} {'/best':>6} "
-         f"{'good':>5} {'refused':>8} {'TTFT p50':>9} {'p99':>7}  refused by reason / by size")
+         f"{'good':>5} {'refused':>8} {'lost':>5} {'TTFT p50':>9} {'p99':>7}  "
+         "refused by reason / by size")
 
 
 def _row(r: dict[str, Any]) -> str:
@@ -227,7 +241,8 @@ def _row(r: dict[str, Any]) -> str:
     sizes = " ".join(f"{k}:{a}/{b}" for k, (a, b) in r["by_size"].items())
     return (f"{r['arm']:<12} {r['load']:>4g} {r['users']:>5} {r['goodput_tok_s']:>8.1f} "
             f"{f(r['over_direct'], '.3f'):>7} {f(r['over_best'], '.3f'):>6} "
-            f"{r['good_share']:>5.2f} {r['rejected']:>8} {f(r['ttft_p50_ms'], '.0f'):>9} "
+            f"{r['good_share']:>5.2f} {r['rejected']:>8} {f(r['lost'], 'd'):>5} "
+            f"{f(r['ttft_p50_ms'], '.0f'):>9} "
             f"{f(r['ttft_p99_ms'], '.0f'):>7}  {reasons or '-'} / {sizes}")
 
 
@@ -263,15 +278,15 @@ def run(args: argparse.Namespace) -> Report:
             reqs = trace.schedule(rows, rate, args.warmup + args.seconds,
                                   args.start + _ROUND_ROWS * rnd)
             cells = []
+            seen: dict[str, list[Record]] = {}
             for arm in the_arms:
                 with serving(arm, args) as urls:
-                    users = asyncio.run(replay(urls, reqs, args))
+                    users = seen[arm.name] = asyncio.run(replay(urls, reqs, args))
                 s = summarize(users, args.seconds, rep.capacity_tok_s, args.objective)
                 measured = [u for u in users if u.measured]
                 good = [u for u in measured if u.ttft is not None and u.ttft <= args.objective]
                 refused = collections.Counter(
-                    u.reason or str(u.status) for u in measured
-                    if u.status is not None and u.status != 200 and not u.gave_up)
+                    u.reason or str(u.status) for u in measured if _refused(u))
                 cells.append({"arm": arm.name, "load": load, "round": rnd, **s,
                               "good_share": len(good) / len(measured) if measured else 0.0,
                               "refused_by_reason": dict(refused),
@@ -280,6 +295,8 @@ def run(args: argparse.Namespace) -> Report:
             best = max((c["goodput_tok_s"] for c in cells if c["arm"].startswith("fixed-")),
                        default=None)
             for c in cells:
+                c["lost"] = (lost(seen[c["arm"]], seen["direct"], args.objective)
+                             if "direct" in seen else None)
                 c["over_direct"] = c["goodput_tok_s"] / direct if direct else None
                 c["over_best"] = c["goodput_tok_s"] / best if best else None
                 rep.rows.append(c)
@@ -305,6 +322,8 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             vals = [r[k] for r in rs if r[k] is not None]
             m[k] = statistics.median(vals) if vals else None
         m["refused"] = statistics.median(r["rejected"] for r in rs)
+        if all(r.get("lost") is not None for r in rs):
+            m["lost"] = statistics.median(r["lost"] for r in rs)
         out.append(m)
     return out
 

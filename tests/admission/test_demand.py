@@ -224,3 +224,22 @@ def test_a_reload_sets_the_half_life_and_target_without_losing_the_sums() -> Non
     demand = gw.queue.pools[0].queue.demand
     assert demand.half_life == 40.0 and gw.config.scale.target == 0.6
     assert demand._arrivals == 1.0  # the pool's history stays
+
+
+def test_arrivals_per_completion_reads_the_excess_whenever_it_is_read() -> None:
+    d = Demand()
+    assert d.arrivals_per_completion() == 0.0
+    d.arrive(0.0)
+    assert d.arrivals_per_completion() == math.inf  # nothing served yet
+    assert not d.excess()  # one arrival ahead of its completion is no excess
+    for i in range(1, 31):
+        for _ in range(3):
+            d.arrive(float(i))
+        d.complete(float(i), 1)
+    assert d.arrivals_per_completion() == pytest.approx(3.0, rel=0.05)
+    assert d.excess()
+    for i in range(31, 200):  # then as many arrive as end: the excess decays away
+        d.arrive(float(i))
+        d.complete(float(i), 1)
+    assert d.arrivals_per_completion() == pytest.approx(1.0, abs=0.01)
+    assert not d.excess()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.controllers import make_sample
-from helpers.gateway import warm_rate
+from helpers.gateway import overloaded, warm_rate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -195,6 +195,7 @@ def test_over_the_objective_the_heavy_tenants_newest_is_told_at_once() -> None:
         held = ticket(A, 0.25 * i)
         assert isinstance(q.offer(held, 0.25 * i), Admitted)
     assert q.completion_rate == pytest.approx(4.0) and q.engine_ttft == 0.5
+    overloaded(q, 1.1)
     # a queued request may wait 0.9 x (1.5 - 0.5) = 0.9 s: at 4 a second, 3 of them
     heavy = [ticket(A, 1.1) for _ in range(3)]
     assert [q.offer(t, 1.1) for t in heavy] == [Queued(0), Queued(1), Queued(2)]
@@ -226,6 +227,7 @@ def test_a_tenant_under_its_share_may_wait_its_objective_where_one_over_it_is_re
         flying.append(ticket(A, now))
         assert isinstance(q.offer(flying[-1], now), Admitted)
     assert 1.5 < q.completion_rate <= 2.0 and q.engine_ttft == 0.5
+    overloaded(q, 2.6)  # an excess: the budget rations it
     # the next slot frees in ~0.5-0.6 s: over the budget, 0.25 x (1.5 - 0.5), within 1.5 - 0.5
     over = q.offer(ticket(A, 2.6), 2.6)
     assert isinstance(over, Rejected) and over.reason is RejectReason.OVER_OBJECTIVE

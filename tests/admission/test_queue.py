@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.controllers import make_sample
-from helpers.gateway import warm_rate
+from helpers.gateway import overloaded, warm_rate
 
 from kneegate.admission.queue import AdmissionQueue
 from kneegate.admission.types import (
@@ -257,6 +257,31 @@ def test_by_default_the_queue_may_hold_a_quarter_of_the_objective() -> None:
     refused = q.offer(Ticket("chat", now), now)
     assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
     assert refused.retry_after == 1
+
+
+def test_without_an_excess_of_arrivals_a_request_may_wait_what_its_objective_allows() -> None:
+    # the same 4/s and 0.25 s engine TTFT, but as many arrivals as completions: nothing
+    # to ration, so the queue may hold the objective less the engine's TTFT, 1.75 s: the
+    # k-th queued request waits (k + 1) / 4, so 7 are queued (k = 6: 1.75 s), the 8th is
+    # refused
+    ups = pool(1)
+    q = AdmissionQueue(ups, {"chat": ClassPolicy("chat", ttft_objective=2.0)}, max_queue=64)
+    now = warm_rate(q, 4.0, n=200, offered=1)  # 50 s of them: 8 more arrivals read 1.1
+    q.note_ttft(0.25)
+    assert isinstance(q.offer(Ticket("chat", now), now), Admitted)
+    decisions = [q.offer(Ticket("chat", now), now) for _ in range(8)]
+    assert decisions[:7] == [Queued(k) for k in range(7)]
+    assert isinstance(decisions[7], Rejected)
+    assert decisions[7].reason is RejectReason.OVER_OBJECTIVE
+    assert not q.demand.excess()
+    # two arrivals a completion: the excess is rationed, a quarter of 2 - 0.25 s
+    q2 = AdmissionQueue(pool(1), {"chat": ClassPolicy("chat", ttft_objective=2.0)},
+                        max_queue=64)
+    now = warm_rate(q2, 4.0, offered=2)
+    q2.note_ttft(0.25)
+    assert isinstance(q2.offer(Ticket("chat", now), now), Admitted)
+    assert q2.offer(Ticket("chat", now), now) == Queued(0)
+    assert isinstance(q2.offer(Ticket("chat", now), now), Rejected)  # 0.5 s > 0.4375 s
 
 
 def test_a_request_may_tighten_its_objective() -> None:
@@ -561,6 +586,33 @@ def test_the_cap_never_keeps_the_limit_unfilled() -> None:
         q.first_token(t, 4.0 + 1.0 + 0.01 * t.backlog_at_dispatch)
     assert up.prefill_line.cap(0.5) == 1
     assert up.prefill_cap == 5
+
+
+def test_without_an_excess_a_request_held_back_only_by_the_prefill_backlog_is_queued() -> None:
+    """One long prompt prefills on an engine with free slots and a cap of 1 awaiting a
+    first token; answers end slowly (4 s each). Where arrivals outnumber completions, the
+    predicted wait refuses the next arrivals; where they do not, they wait here for the
+    prefill ahead, as they would have in the engine's own queue."""
+    for excess in (False, True):
+        up = pool(8)[0]
+        q = AdmissionQueue([up], OBJ2, max_queue=8)
+        now = warm_rate(q, 0.25, offered=1)
+        q.note_ttft(1.0)
+        if excess:
+            overloaded(q, now)
+        long = streamed(now)
+        assert isinstance(q.offer(long, now), Admitted)
+        up.prefill_cap = 1  # as `first_token` sets it from the line
+        now += 2.5  # the long prompt still has no first token
+        waiting = [streamed(now) for _ in range(3)]
+        decisions = [q.offer(t, now) for t in waiting]
+        if excess:
+            assert all(isinstance(d, Rejected) for d in decisions)
+            assert decisions[0].reason is RejectReason.OVER_OBJECTIVE  # type: ignore[union-attr]
+        else:
+            assert decisions == [Queued(0), Queued(1), Queued(2)]
+            # its first token: the line, not yet warm, sets no cap, and the queue goes
+            assert q.first_token(long, now + 0.1) == waiting
 
 
 def test_a_request_that_ends_before_its_first_token_leaves_the_backlog_once() -> None:

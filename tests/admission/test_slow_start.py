@@ -119,9 +119,9 @@ def test_once_saturated_the_limit_is_the_controllers_and_the_queue_may_refuse() 
     q.first_token(first, 2.6)  # 2.5 s after its dispatch: past the 2 s objective
     assert up.slow_start is not None and not up.slow_start.open
     assert up.limit == up.controller.limit == 4
-    for i in range(40):  # answers end slowly: the measured rate says a long wait
-        q.note_completion(10.0 + i)
-    refused = q.offer(Ticket("default", 50.0, streamed=True), 50.0)
+    for i in range(40):  # answers end slowly: the measured rate says a wait of 3 s
+        q.note_completion(10.0 + 3 * i)
+    refused = q.offer(Ticket("default", 130.0, streamed=True), 130.0)
     assert isinstance(refused, Rejected) and refused.reason is RejectReason.OVER_OBJECTIVE
 
 

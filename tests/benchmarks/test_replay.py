@@ -12,7 +12,7 @@ import pytest
 from kneegate.benchmarks import trace
 from kneegate.benchmarks.arms import Arm
 from kneegate.benchmarks.openloop import Record, fetch_metrics, metric_totals
-from kneegate.benchmarks.replay import arms, by_bucket, parser, replay, serving
+from kneegate.benchmarks.replay import arms, by_bucket, lost, parser, replay, serving
 
 
 def _args(*extra: str):  # type: ignore[no-untyped-def]
@@ -39,6 +39,25 @@ def test_refusals_are_counted_by_prompt_size_among_the_measured_users() -> None:
              Record(measured=False, prompt=100, status=429),  # warm-up: not counted
              Record(measured=True, prompt=500, gave_up=True)]  # left: not a refusal
     assert by_bucket(users) == {"0-256": (1, 2), ">=2048": (1, 1), "256-1024": (0, 1)}
+
+
+def test_a_refusal_is_lost_where_the_engine_alone_served_that_request_in_time() -> None:
+    arm = [Record(measured=True, status=429),  # direct: good -> lost
+           Record(measured=True, status=429),  # direct: late -> not lost
+           Record(measured=True, status=503),  # direct: refused too -> not lost
+           Record(measured=True, status=200, ttft=0.5),  # served -> not lost
+           Record(measured=False, status=429),  # warm-up -> not counted
+           Record(measured=True, gave_up=True)]  # left -> not a refusal
+    direct = [Record(measured=True, status=200, ttft=1.9),
+              Record(measured=True, status=200, ttft=2.1),
+              Record(measured=True, status=503),
+              Record(measured=True, status=200, ttft=0.4),
+              Record(measured=False, status=200, ttft=0.1),
+              Record(measured=True, status=200, ttft=0.1)]
+    assert lost(arm, direct, objective=2.0) == 1
+    assert lost(arm, direct, objective=3.0) == 2
+    with pytest.raises(ValueError):  # the same schedule, or nothing to compare
+        lost(arm, direct[:-1], objective=2.0)
 
 
 def _served(url: str) -> float:

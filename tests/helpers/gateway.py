@@ -200,9 +200,21 @@ async def reply(send: Any, status: int, body: bytes, ctype: bytes = b"applicatio
     await send({"type": "http.response.body", "body": body})
 
 
-def warm_rate(q: AdmissionQueue, rate: float, n: int = 40, start: float = 100.0) -> float:
-    """`n` completions at `rate` per second from `start`, so that the queue has a measured
-    completion rate; returns the time of the last."""
+def overloaded(q: AdmissionQueue, now: float, n: int = 8) -> None:
+    """`n` arrivals at `now` the engines did not serve (refused elsewhere): an excess of
+    arrivals over completions, which the queue's budget rations (`Demand.excess`)."""
+    for _ in range(n):
+        q.demand.arrive(now)
+
+
+def warm_rate(q: AdmissionQueue, rate: float, n: int = 40, start: float = 100.0,
+              offered: int = 3) -> float:
+    """`n` completions at `rate` per second from `start`, each after `offered` arrivals
+    (3: an overload, whose excess the queue's budget rations; 1: none), so that the queue
+    has a measured completion rate; returns the time of the last."""
     for i in range(n):
-        q.note_completion(start + i / rate)
+        t = start + i / rate
+        for _ in range(offered):
+            q.demand.arrive(t)
+        q.note_completion(t)
     return start + (n - 1) / rate

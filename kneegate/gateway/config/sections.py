@@ -34,7 +34,8 @@ class ClassConfig(Frozen):
     queue_budget: float = Field(
         0.25, gt=0, le=1,
         description="the part of the objective (less the engine's TTFT) a request may be "
-        "predicted to wait in the queue; beyond it, 429 over_objective at once")
+        "predicted to wait in the queue while arrivals outnumber completions (by over 1.2); "
+        "beyond it, 429 over_objective at once (with no such excess: the whole objective)")
 
 
 
