@@ -10,7 +10,7 @@ to 14,050 and answers from 1 token to thousands. Each request is sent at its rec
 spacing, scaled by one factor so that the slice offers `load` x the engine's capacity for
 that mix (`benchmarks.trace.schedule`), with its recorded lengths fitted to the engine's
 context (`benchmarks.trace.cap`: answers keep at most half of it, prompts the rest), as token
-ids with `ignore_eos`, streamed.
+ids with `ignore_eos`, streamed; no two prompts share a prefix (`prompt_ids`).
 
 The engine's capacity for the mix is measured first (unless `--capacity TOK_S`): a closed
 loop of `--capacity-streams` (64) users sending the trace's requests in order, output tokens/s
@@ -73,7 +73,8 @@ from kneegate.benchmarks.figures import _fmt, summarize
 from kneegate.benchmarks.openloop import Record, _Client
 from kneegate.benchmarks.overhead import _free_port
 
-__all__ = ["BUCKETS", "arms", "by_bucket", "lost", "main", "replay", "run", "serving"]
+__all__ = ["BUCKETS", "arms", "by_bucket", "lost", "main", "prompt_ids", "replay", "run",
+           "serving"]
 
 BUCKETS = (256, 1024, 2048)  # prompt-size buckets' upper bounds (tokens); the last is open
 _ROUND_ROWS = 997  # each round replays from this many rows further into the trace
@@ -128,9 +129,21 @@ def by_bucket(users: list[Record]) -> dict[str, tuple[int, int]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def _body(args: argparse.Namespace, req: trace.Request) -> dict[str, Any]:
+VOCAB = 30_000  # token ids 100 .. 100 + VOCAB - 1: inside any Llama-sized vocabulary
+_STRIDE = 7919  # a prime, coprime to VOCAB: the first VOCAB requests start apart
+
+
+def prompt_ids(n: int, length: int) -> list[int]:
+    """Request `n`'s prompt of `length` token ids: a run through the ids from a start of its
+    own, so that no two prompts share a prefix (the trace records none), as users' prompts
+    do not; prefix affinity and an engine's prefix cache then find nothing to reuse."""
+    start = n * _STRIDE % VOCAB
+    return [100 + (start + i) % VOCAB for i in range(length)]
+
+
+def _body(args: argparse.Namespace, req: trace.Request, n: int) -> dict[str, Any]:
     return {"model": args.model or args.profile,
-            "prompt": [100 + i % 1000 for i in range(req.prompt)],
+            "prompt": prompt_ids(n, req.prompt),
             "max_tokens": req.output, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
 
@@ -153,7 +166,7 @@ async def replay(urls: list[str], reqs: list[trace.Request],
             rec = Record(measured=args.warmup <= req.at, prompt=req.prompt)
             users.append(rec)
             client = clients[i % len(clients)]
-            tasks.append(asyncio.create_task(client.one(rec, _body(args, req))))
+            tasks.append(asyncio.create_task(client.one(rec, _body(args, req, i))))
         _, late = await asyncio.wait(tasks, timeout=args.request_timeout) if tasks else ((), ())
         for task in late:
             task.cancel()
@@ -196,13 +209,14 @@ async def closed_loop(url: str, reqs: list[trace.Request], args: argparse.Namesp
         t0 = time.monotonic()
         end = t0 + args.capacity_warmup + args.capacity_seconds
         client = _Client(session, url, args, (t0 + args.capacity_warmup, end))
-        todo = iter(reqs * 100)
+        todo = enumerate(reqs * 100)
 
         async def user() -> None:
             while time.monotonic() < end:
                 rec = Record(measured=True)
                 users.append(rec)
-                await client.one(rec, _body(args, next(todo)))
+                n, req = next(todo)
+                await client.one(rec, _body(args, req, n))
 
         tasks = [asyncio.create_task(user()) for _ in range(args.capacity_streams)]
         await asyncio.wait(tasks, timeout=end - time.monotonic())

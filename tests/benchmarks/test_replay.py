@@ -9,10 +9,11 @@ import urllib.request
 
 import pytest
 
+from kneegate.admission.affinity import prompt_keys
 from kneegate.benchmarks import trace
 from kneegate.benchmarks.arms import Arm
 from kneegate.benchmarks.openloop import Record, fetch_metrics, metric_totals
-from kneegate.benchmarks.replay import arms, by_bucket, lost, parser, replay, serving
+from kneegate.benchmarks.replay import arms, by_bucket, lost, parser, prompt_ids, replay, serving
 
 
 def _args(*extra: str):  # type: ignore[no-untyped-def]
@@ -58,6 +59,14 @@ def test_a_refusal_is_lost_where_the_engine_alone_served_that_request_in_time() 
     assert lost(arm, direct, objective=3.0) == 2
     with pytest.raises(ValueError):  # the same schedule, or nothing to compare
         lost(arm, direct[:-1], objective=2.0)
+
+
+def test_no_two_replayed_prompts_share_a_prefix() -> None:
+    keys = [prompt_keys({"prompt": prompt_ids(n, 300)}) for n in range(2000)]
+    assert all(len(k) == 2 for k in keys)  # two full runs of 128 ids each
+    assert len({k[0] for k in keys}) == 2000  # every first run its own
+    assert prompt_ids(5, 300) == prompt_ids(5, 300)  # the same request, the same prompt
+    assert max(max(prompt_ids(n, 2048)) for n in range(50)) < 100 + 30_000
 
 
 def _served(url: str) -> float:
