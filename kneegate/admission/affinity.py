@@ -15,8 +15,12 @@ user is not an entry of its own, and so never draws everyone to one engine.
 
 Bounded: at most `capacity` entries, the least recently used dropped first (an engine's own
 cache forgets too). Bounded load: the preferred engine is taken only while it has room under
-its own limit (`least_full`'s `prefer`); otherwise the request goes where there is most
-room, as without affinity, and its prefix is remembered there.
+its own limit and is no fuller than the least full engine by more than half its limit
+(`least_full`'s `prefer`, `AFFINITY_SLACK`); otherwise the request goes where there is
+most room, as without affinity, and its prefix is remembered there. The room under the
+limit alone does not bound it: a prompt that begins like many others would draw them all to
+one replica while its limit has room
+(docs/experiments/2026-12-07-pool-replay.md).
 """
 
 from __future__ import annotations

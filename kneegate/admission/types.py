@@ -185,21 +185,32 @@ class Ticket:
     pool: Any = None  # the admission queue holding it, where several share the gateway
 
 
+# how much fuller than the least full upstream (a share of its limit) the one holding a
+# request's prefix may be and still take it
+AFFINITY_SLACK = 0.5
+
+
 def least_full(upstreams: list[UpstreamState], tokens: int,
                skip: UpstreamState | None = None, model: str | None = None,
                prefer: str | None = None) -> UpstreamState | None:
     """The upstream serving `model` with room for `tokens` that is least full (in-flight /
-    limit), `skip` aside; None when none has room. The first of equals wins; the upstream
-    named `prefer` (prefix affinity: `admission.affinity`) wins whenever it has room."""
+    limit), `skip` aside; None when none has room. The first of equals wins. The upstream
+    named `prefer` (prefix affinity: `admission.affinity`) wins while it has room and is
+    no fuller than the least full by more than `AFFINITY_SLACK` of its limit: its cache
+    saves a prefill, but a replica loaded past the others slows every answer on it."""
     best: UpstreamState | None = None
+    preferred: UpstreamState | None = None
     for u in upstreams:
         if u is skip or not u.has_room_for(tokens) or not (
                 model is None or not u.models or model in u.models):
             continue
         if u.name == prefer:
-            return u
+            preferred = u
         if best is None or u.fullness < best.fullness:
             best = u
+    if preferred is not None and best is not None and (
+            preferred.fullness <= best.fullness + AFFINITY_SLACK):
+        return preferred
     return best
 
 

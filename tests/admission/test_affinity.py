@@ -7,7 +7,7 @@ import pytest
 
 from kneegate.admission.affinity import PrefixMap
 from kneegate.admission.queue import AdmissionQueue
-from kneegate.admission.types import Admitted, ClassPolicy, Ticket, UpstreamState
+from kneegate.admission.types import AFFINITY_SLACK, Admitted, ClassPolicy, Ticket, UpstreamState
 from kneegate.controllers.registry import build_controller
 
 CLASSES = {"default": ClassPolicy("default", priority=0, max_wait=5.0)}
@@ -51,17 +51,26 @@ def offer(q: AdmissionQueue, prefix: tuple[int, ...], at: float = 0.0) -> Upstre
 
 
 def test_a_conversations_next_turn_goes_where_the_last_one_went_while_it_has_room() -> None:
-    q, _ = queue(3, 3)
+    q, _ = queue(8, 8)
     first = offer(q, (10, 11))
-    assert offer(q, (20, 21)) is not first  # no prefix known: least full, as ever
-    # turn 2 of the first conversation: back to its engine, though it is now as full
-    assert offer(q, (10, 11, 12, 13)) is first
-    assert offer(q, (10, 11, 12, 13, 14, 15)) is first  # turn 3: full now (3 of 3)
-    # turn 4 finds its engine full: it goes where there is room, and is remembered there
-    other = offer(q, (10, 11, 12, 13, 14, 15, 16, 17))
-    assert other is not first and first.inflight == first.limit
-    assert q.affinity is not None and q.affinity.lookup((10, 11, 12, 13, 14, 15, 16, 17)) == (
-        other.name)
+    other = offer(q, (1000, 1001))
+    assert other is not first  # no prefix known: least full, as ever
+    # the first conversation's next turns go back to its engine, though it grows fuller
+    # than the other (1 of 8), until it is half its limit fuller (AFFINITY_SLACK): at 5
+    # of 8 it still takes one, at 6 of 8 it is passed by
+    assert AFFINITY_SLACK == 0.5
+    turns = [tuple(range(10, 10 + 2 * k)) for k in range(2, 8)]
+    assert [offer(q, t) for t in turns[:5]] == [first] * 5
+    assert (first.inflight, other.inflight) == (6, 1)
+    assert offer(q, turns[5]) is other  # and it is remembered there
+    assert q.affinity is not None and q.affinity.lookup(turns[5]) == other.name
+
+
+def test_a_turn_whose_engine_is_full_goes_where_there_is_room() -> None:
+    q, ups = queue(1, 3)
+    first = offer(q, (10, 11))
+    assert first is ups[0] and first.inflight == first.limit
+    assert offer(q, (10, 11, 12, 13)) is ups[1]
 
 
 def test_without_affinity_the_least_full_engine_takes_it() -> None:
