@@ -125,7 +125,7 @@ def by_bucket(users: list[Record]) -> dict[str, tuple[int, int]]:
         if r.measured:
             b = out.setdefault(_bucket(r.prompt), [0, 0])
             b[1] += 1
-            b[0] += r.status is not None and r.status != 200 and not r.gave_up
+            b[0] += _refused(r)
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
