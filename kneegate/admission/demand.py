@@ -170,8 +170,8 @@ class Demand:
         """More arrives than the engines serve: A over `EXCESS` x C, and by more than
         `EXCESS_MARGIN` requests (decayed), which the first few events of a start, one
         arrival ahead of its completion, do not make."""
-        a, c = self._arrivals, self._completions
-        return a > self.EXCESS * c and a - c > self.EXCESS_MARGIN
+        return (self.arrivals_per_completion() > self.EXCESS
+                and self._arrivals - self._completions > self.EXCESS_MARGIN)
 
     def estimate(self, now: float, limits: Sequence[int], target: float) -> DemandEstimate | None:
         """The reading at `now` for usable upstreams with these `limits`; None until `warm`
