@@ -255,6 +255,22 @@ def test_objective_ceiling_caps_the_climb() -> None:
     assert ctl.limit == 18  # would double, but 20 broke the objective
 
 
+@pytest.mark.parametrize(("good", "ceiling", "limit"), [(2, 14.4, 14), (6, 6, 6)])
+def test_a_good_level_more_than_two_climb_steps_under_a_breach_is_no_ceiling(
+    good: int, ceiling: float, limit: int
+) -> None:
+    # a good level 8x under the breach at 16 was never climbed through (idle windows' means
+    # read such levels on bursty traffic): the breach cuts by the backoff (0.9 x 16), not to
+    # it; one within two climb steps (16 / 6 < 4) is the ceiling, and the cut goes there
+    ctl = make()
+    t = window(ctl, 0.0, good, 25.0 * good)  # the first window measures the start
+    t = window(ctl, t, good, 25.0 * good)
+    assert ctl.limit == 16 and ctl.ceiling() == math.inf
+    window(ctl, t, 16, 400.0, ttft=3.0)  # TTFT p90 over the 2 s objective at 16
+    assert ctl.ceiling() == pytest.approx(ceiling)
+    assert ctl.limit == limit
+
+
 def test_drop_and_engine_queue_back_off() -> None:
     ctl = make()
     window(ctl, 0.0, 16, 400.0, outcome=Outcome.UPSTREAM_OVERLOADED, ttft=None)

@@ -32,7 +32,8 @@ blended into it (`Point.var`). Before any re-reading, and where re-readings agre
 gain alone decides.
 
 `ceiling()` is the highest level measured below the lowest one marked over the
-objectives (`backoff` x that one when none is).
+objectives, where it lies within two climb steps of that one (`backoff` x that one when
+none does).
 """
 
 from __future__ import annotations
@@ -76,13 +77,25 @@ class Shape:
         return max(self.points.values(), key=lambda p: p.concurrency, default=None)
 
     def ceiling(self) -> float:
-        """Highest level measured below the lowest level that broke an objective."""
+        """Highest level measured below the lowest level that broke an objective, where
+        that is within two climb steps of it; else (no such level) `backoff` x that one.
+
+        Why the gap: the climb measures every level on its way up, one step past the
+        highest measured, so a breach lies within a step or two of a good level. A good
+        level further under it was not measured on the way there: the mean of windows in
+        which bursts left the engine idle (0.2 requests on the code trace), or one from
+        before a slow start's doublings. It says nothing of the levels between, and as
+        the ceiling it took a breach at 15 to a limit of 1. Measured:
+        docs/experiments/2026-12-07-ceiling-gap.md."""
         bad = [p.concurrency for p in self.points.values() if p.over_objective]
         if not bad:
             return math.inf
         lowest_bad = min(bad)
         ok = [p.concurrency for p in self.points.values() if p.concurrency < lowest_bad]
-        return max(ok) if ok else lowest_bad * self.cfg.backoff
+        gap = (1 + self.cfg.climb) ** 2  # two climb steps
+        if ok and lowest_bad <= gap * max(ok):
+            return max(ok)
+        return lowest_bad * self.cfg.backoff
 
     def knee(self) -> tuple[float | None, bool]:
         """(knee level of the throughput curve, still rising at the top); None: none seen yet."""
