@@ -39,8 +39,8 @@ from kneegate.gateway.config.upstream import public_url
 from kneegate.gateway.errors import CannotListen, ConfigError
 from kneegate.gateway.observability.logs import configure as configure_logging
 
-__all__ = ["ENVIRONMENT", "EXTRA_MODULES", "apply_flags", "from_environment", "main",
-           "missing_extra", "version"]
+__all__ = ["ENVIRONMENT", "EXTRA_MODULES", "LEFT_OUT", "apply_flags", "from_environment",
+           "main", "missing_extra", "version"]
 
 log = logging.getLogger("kneegate")
 
@@ -196,7 +196,7 @@ def _lazy(module: str, func: str = "main") -> Callable[[list[str]], int]:
 
 
 PASSTHROUGH = {
-    "engine": _lazy("kneegate.benchmarks.engine.__main__"),
+    "engine": _lazy("kneegate.emulator.__main__"),
     "sweep": _lazy("kneegate.benchmarks.sweep"),
     "simulate": _lazy("kneegate.benchmarks.simulate"),
 }
@@ -239,15 +239,18 @@ def _parser() -> argparse.ArgumentParser:
 # of them says how to install it instead of a traceback. `bench`: the load tools' client;
 # `plots`: the pictures the sweep and the simulator write (and the demo, when it can)
 EXTRA_MODULES = {"aiohttp": "bench", "matplotlib": "plots"}
+# the parts of kneegate an install may leave out (the container image does), by package
+LEFT_OUT = {"kneegate.emulator": "the emulator", "kneegate.benchmarks": "the load tools"}
 
 
 def missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
     """The one line that tells how to install what `command` misses; None when `exc` is
     about neither an extra nor the load tools."""
     name = exc.name or ""
-    if name == "kneegate.benchmarks" or name.startswith("kneegate.benchmarks."):
-        return (f"kneegate {command} needs the load tools, which this install leaves out (the "
-                "container image does): run it from a clone or a pip install of kneegate")
+    for package, part in LEFT_OUT.items():
+        if name == package or name.startswith(f"{package}."):
+            return (f"kneegate {command} needs {part}, which this install leaves out (the "
+                    "container image does): run it from a clone or a pip install of kneegate")
     module = name.partition(".")[0]
     extra = EXTRA_MODULES.get(module)
     if extra is None:

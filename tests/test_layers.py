@@ -1,4 +1,5 @@
-"""kneegate's floors only point down: controllers <- admission <- gateway <- benchmarks <- cli.
+"""kneegate's floors only point down: controllers <- admission <- gateway <- emulator <-
+benchmarks <- cli.
 
 Read from the source with `ast`, nothing imported: every `import`, `from … import` (at the
 top of a module or inside a function, relative or absolute) and every
@@ -25,11 +26,12 @@ FLOORS = {
     "controllers": 0,  # pure limit algorithms
     "admission": 1,  # the pure admission core
     "gateway": 2,  # the proxy's I/O
-    "benchmarks": 3,  # the emulator and the load tools
-    "cli": 4,  # the top floor: commands, the demo, the embedded engine
-    "embedded": 4,
-    "__main__": 4,
-    "__init__": 4,  # kneegate/__init__.py: a docstring
+    "emulator": 3,  # the vLLM emulator
+    "benchmarks": 4,  # the simulator and the load tools
+    "cli": 5,  # the top floor: commands, the demo, the embedded engine
+    "embedded": 5,
+    "__main__": 5,
+    "__init__": 5,  # kneegate/__init__.py: a docstring
 }
 
 
@@ -126,7 +128,8 @@ def test_the_check_sees_an_import_up_a_floor(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("floor", ["controllers", "admission", "gateway", "benchmarks"])
+@pytest.mark.parametrize("floor", ["controllers", "admission", "gateway", "emulator",
+                                   "benchmarks"])
 def test_each_floor_is_a_real_folder(floor: str) -> None:
     folder = PACKAGE / floor
     assert folder.is_dir() and not folder.is_symlink() and (folder / "__init__.py").exists()

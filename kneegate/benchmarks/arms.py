@@ -78,7 +78,7 @@ def _arm_names(text: str) -> list[str]:
 
 def engine_command(profile: str, port: int, flags: Sequence[str] = ()) -> list[str]:
     """An emulator of `profile` on `port`, with vLLM's `flags`: its command line."""
-    return [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", profile,
+    return [sys.executable, "-m", "kneegate.emulator", "--profile", profile,
             "--port", str(port), *flags]
 
 

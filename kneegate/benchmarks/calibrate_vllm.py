@@ -44,12 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from kneegate.benchmarks.curve_fit import CurveKnee, curve_knee
-from kneegate.benchmarks.engine.core import EngineCore
-from kneegate.benchmarks.engine.profiles import load_profile
-from kneegate.benchmarks.engine.virtual import LoopResult
-from kneegate.benchmarks.engine.virtual import closed_loop as virtual_loop
 from kneegate.benchmarks.loadgen import LoadConfig, LoadResult, closed_loop
 from kneegate.benchmarks.sweep import Knee, find_knee
+from kneegate.emulator.core import EngineCore
+from kneegate.emulator.profiles import load_profile
+from kneegate.emulator.virtual import LoopResult
+from kneegate.emulator.virtual import closed_loop as virtual_loop
 
 __all__ = [
     "CLIENT_GAP_S", "DEFAULT_PROFILE", "LEVELS", "CurveKnee", "RealPoint", "compare",

@@ -50,11 +50,11 @@ from typing import Any
 import aiohttp
 
 from kneegate.benchmarks.arms import engine_command
-from kneegate.benchmarks.engine.protocol import token_text
 from kneegate.benchmarks.openloop import fetch_metrics, metric_totals
 from kneegate.benchmarks.overhead import _free_port, _process
 from kneegate.benchmarks.peers import START_S
 from kneegate.benchmarks.peers import find as find_peer
+from kneegate.emulator.protocol import token_text
 
 __all__ = ["ARMS", "PEER_ARMS", "main", "router_command", "run_cell"]
 

@@ -71,7 +71,7 @@ class Result:
 def _stack(profile: str) -> Iterator[tuple[str, int]]:
     """A fresh emulator and gateway; yields the gateway's URL and process id."""
     ep, gp = _free_port(), _free_port()
-    engine = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", profile,
+    engine = [sys.executable, "-m", "kneegate.emulator", "--profile", profile,
               "--port", str(ep)]
     gateway = [sys.executable, "-m", "kneegate", "serve", "--upstream",
                f"http://127.0.0.1:{ep}", "--port", str(gp)]

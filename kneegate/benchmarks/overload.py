@@ -4,7 +4,7 @@
     python -m kneegate.benchmarks.overload --loads 3 --seconds 10 --arms direct,kneegate  # smoke
 
 One run, so the ratios are measured side by side. First the engine (`python -m
-benchmarks.engine --profile cpu-tiny`, its own process) is measured alone: closed loop,
+kneegate.emulator --profile cpu-tiny`, its own process) is measured alone: closed loop,
 `--capacity-streams` (64) streams for `--capacity-seconds` after `--capacity-warmup` (2 s;
 a fresh vLLM needs more: its first requests are slow); capacity in requests/s =
 output tokens/s / `--max-tokens` (tokens, not loadgen's requests_per_s, which leaves out the

@@ -229,7 +229,7 @@ def report(res: SoakResult) -> None:
 @contextlib.contextmanager
 def _processes(extra: list[str]) -> Iterator[tuple[str, str, int]]:
     ep, gp = _free_port(), _free_port()
-    engine_cmd = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", "cpu-tiny",
+    engine_cmd = [sys.executable, "-m", "kneegate.emulator", "--profile", "cpu-tiny",
                   "--port", str(ep)]
     gw_cmd = [sys.executable, "-m", "kneegate", "serve", "--upstream",
               f"http://127.0.0.1:{ep}", "--port", str(gp), *extra]

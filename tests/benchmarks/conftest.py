@@ -1,18 +1,5 @@
-"""Fixtures for the benchmark tests: the emulator on a real socket."""
+"""The emulator on a real socket (tests/helpers/emulator.py)."""
 
-from __future__ import annotations
+from helpers.emulator import emulator
 
-from collections.abc import Iterator
-
-import pytest
-from helpers.uvicorn_thread import serve
-
-from kneegate.benchmarks.engine.server import build_app
-
-
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[tuple[str, object]]:
-    """cpu-tiny in real time; yields (base URL, app)."""
-    app = build_app("cpu-tiny", speed=1.0)
-    with serve(app) as url:
-        yield url, app
+__all__ = ["emulator"]

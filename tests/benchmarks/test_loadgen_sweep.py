@@ -9,12 +9,12 @@ import time
 import pytest
 from helpers.uvicorn_thread import serve
 
-from kneegate.benchmarks.engine.core import EngineCore
-from kneegate.benchmarks.engine.profiles import load_profile
-from kneegate.benchmarks.engine.server import build_app
-from kneegate.benchmarks.engine.virtual import closed_loop as virtual_closed_loop
 from kneegate.benchmarks.loadgen import LoadConfig, closed_loop, open_loop, run_trace
 from kneegate.benchmarks.sweep import SweepPoint, find_knee, main, parse_levels, regions
+from kneegate.emulator.core import EngineCore
+from kneegate.emulator.profiles import load_profile
+from kneegate.emulator.server import build_app
+from kneegate.emulator.virtual import closed_loop as virtual_closed_loop
 
 
 def test_knee_rule_on_the_reference_table() -> None:

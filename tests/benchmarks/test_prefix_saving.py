@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers.uvicorn_thread import serve
 
-from kneegate.benchmarks.engine.server import build_app
 from kneegate.benchmarks.prefix_saving import measure, saving_table
+from kneegate.emulator.server import build_app
 
 
 def test_the_cached_share_of_each_prompt_is_what_the_engine_counts_as_hits() -> None:

@@ -8,9 +8,6 @@ import statistics
 import pytest
 
 from kneegate.benchmarks import trace
-from kneegate.benchmarks.engine.core import EngineCore
-from kneegate.benchmarks.engine.profiles import Profile, load_profile
-from kneegate.benchmarks.engine.virtual import closed_loop
 from kneegate.benchmarks.sim.arrivals import _arrivals
 from kneegate.benchmarks.sim.goodput import goodput
 from kneegate.benchmarks.sim.oracle import Oracle
@@ -33,6 +30,9 @@ from kneegate.benchmarks.simulate import (
 )
 from kneegate.benchmarks.sweep import find_knee
 from kneegate.controllers.knee import KneeConfig
+from kneegate.emulator.core import EngineCore
+from kneegate.emulator.profiles import Profile, load_profile
+from kneegate.emulator.virtual import closed_loop
 
 
 def test_every_scenario_file_loads() -> None:

@@ -96,7 +96,7 @@ def _serving(container: str, env: dict[str, str]) -> Iterator[subprocess.Popen[b
 
 def test_the_image_serves_a_stream_configured_by_the_environment(container: str) -> None:
     engine_port, port = _free_port(), _free_port()
-    engine = [sys.executable, "-m", "kneegate.benchmarks.engine", "--port", str(engine_port),
+    engine = [sys.executable, "-m", "kneegate.emulator", "--port", str(engine_port),
               "--model-name", "tiny"]
     env = {"KNEEGATE_UPSTREAM": f"http://127.0.0.1:{engine_port}", "KNEEGATE_PORT": str(port)}
     with _process(engine, engine_port), _serving(container, env):

@@ -142,7 +142,7 @@ async def test_serve_warns_once_when_the_api_port_shows_the_admin_endpoints() ->
 
 
 async def test_serve_without_upstream_embeds_the_emulator() -> None:
-    pytest.importorskip("kneegate.benchmarks.engine.server")
+    pytest.importorskip("kneegate.emulator.server")
     async with httpx.AsyncClient(timeout=10) as client:
         with kneegate() as (proc, url):
             await until_up(client, url, proc)
@@ -166,9 +166,10 @@ def test_the_gateway_floor_never_loads_the_load_tools() -> None:
     code = ("import importlib, pkgutil, sys, kneegate.gateway, kneegate.cli; "
             "[importlib.import_module(m.name) for m in "
             "pkgutil.walk_packages(kneegate.gateway.__path__, 'kneegate.gateway.')]; "
-            "print(sorted(m for m in sys.modules if m.startswith('kneegate.benchmarks')), "
+            "print(sorted(m for m in sys.modules if m.startswith(("
+            "'kneegate.benchmarks', 'kneegate.emulator'))), "
             "sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('gateway', 'controllers', 'benchmarks')))")
+            "('gateway', 'controllers', 'benchmarks', 'emulator')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[] []"  # nor any module under a second, bare name
@@ -176,7 +177,8 @@ def test_the_gateway_floor_never_loads_the_load_tools() -> None:
 
 @pytest.mark.parametrize("tool", ["engine", "sweep", "simulate"])
 def test_benchmark_tools_are_reached_lazily(tool: str) -> None:
-    pytest.importorskip(f"kneegate.benchmarks.{'engine.server' if tool == 'engine' else tool}")
+    pytest.importorskip("kneegate.emulator.server" if tool == "engine"
+                        else f"kneegate.benchmarks.{tool}")
     out = subprocess.run([sys.executable, "-m", "kneegate", tool, "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "usage:" in out.stdout
@@ -259,12 +261,17 @@ def test_a_picture_without_the_plots_extra_says_how_to_install_it() -> None:
 
 
 def test_without_the_load_tools_the_demo_and_an_unnamed_upstream_are_one_line() -> None:
-    # as in the container image, which leaves kneegate/benchmarks out
-    gone = "import sys; sys.modules['kneegate.benchmarks'] = None; from kneegate.cli import main; "
+    # as in the container image, which leaves the emulator and the load tools out
+    gone = ("import sys; sys.modules['kneegate.benchmarks'] = None; "
+            "sys.modules['kneegate.emulator'] = None; from kneegate.cli import main; ")
     demo = run_cli(code=gone + "sys.exit(main(['demo']))")
     assert demo.returncode == 2
     assert one_line(demo).startswith("kneegate demo needs the load tools, which this install "
                                      "leaves out")
+    engine = run_cli(code=gone + "sys.exit(main(['engine', '--help']))")
+    assert engine.returncode == 2
+    assert one_line(engine).startswith("kneegate engine needs the emulator, which this install "
+                                       "leaves out")
     serve = run_cli(code=gone + f"sys.exit(main(['serve', '--port', '{free_port()}']))")
     assert serve.returncode == 2
     assert one_line(serve) == (

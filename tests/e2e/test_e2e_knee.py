@@ -32,7 +32,7 @@ from kneegate.gateway.app import build_app
 # in virtual time is tests/benchmarks/test_knee_slowdown_sim.py, in the default suite
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
+engine_server = pytest.importorskip("kneegate.emulator.server")
 
 CLIENTS = 24
 MAX_REQUESTS = 4000  # the loop's request cap; its time cap is the test's fail_after

@@ -21,8 +21,6 @@ from kneegate.admission.types import (
     Ticket,
     UpstreamState,
 )
-from kneegate.benchmarks.engine.core import EngineCore, EngineRequest
-from kneegate.benchmarks.engine.profiles import load_profile
 from kneegate.benchmarks.sim.arrivals import Arrival, _arrivals
 from kneegate.benchmarks.sim.scenarios import Scenario
 from kneegate.benchmarks.sim.true_knee import scenario_knee
@@ -34,6 +32,8 @@ from kneegate.controllers.base import (
     engine_ttft_objective,
 )
 from kneegate.controllers.registry import build_controller
+from kneegate.emulator.core import EngineCore, EngineRequest
+from kneegate.emulator.profiles import load_profile
 
 __all__ = ["Move", "Result", "demand_ratio", "run"]
 

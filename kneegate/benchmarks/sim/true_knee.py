@@ -8,11 +8,11 @@ import functools
 import statistics
 
 from kneegate.benchmarks import trace
-from kneegate.benchmarks.engine.core import EngineCore
-from kneegate.benchmarks.engine.profiles import Profile
-from kneegate.benchmarks.engine.virtual import closed_loop
 from kneegate.benchmarks.sim.scenarios import Scenario
 from kneegate.benchmarks.sweep import find_knee
+from kneegate.emulator.core import EngineCore
+from kneegate.emulator.profiles import Profile
+from kneegate.emulator.virtual import closed_loop
 
 __all__ = ["scenario_knee", "trace_mix", "true_knee"]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kneegate.benchmarks.engine.core import ADMISSION_REASONS, CoreStats
+from kneegate.emulator.core import ADMISSION_REASONS, CoreStats
 
 __all__ = ["EngineMetrics"]
 

@@ -14,8 +14,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from kneegate.benchmarks.engine.core import EngineCore, EngineRequest, StepResult, TokenEvent
-from kneegate.benchmarks.engine.metrics import EngineMetrics
+from kneegate.emulator.core import EngineCore, EngineRequest, StepResult, TokenEvent
+from kneegate.emulator.metrics import EngineMetrics
 
 __all__ = ["RealTimeDriver", "TokenQueue"]
 

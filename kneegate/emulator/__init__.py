@@ -1,6 +1,6 @@
 """A GPU-free vLLM emulator: a clock-free engine core, roofline profiles, an OpenAI server.
 
-    from kneegate.benchmarks.engine import EngineCore, EngineRequest, load_profile
+    from kneegate.emulator import EngineCore, EngineRequest, load_profile
     core = EngineCore(load_profile("cpu-tiny"))
     core.add_request(EngineRequest("r1", prompt_tokens=128, max_tokens=64))
     while core.has_unfinished():
@@ -12,14 +12,14 @@
 
 from __future__ import annotations
 
-from kneegate.benchmarks.engine.core import (
+from kneegate.emulator.core import (
     CoreStats,
     EngineCore,
     EngineRequest,
     StepResult,
     TokenEvent,
 )
-from kneegate.benchmarks.engine.profiles import Profile, list_profiles, load_profile
+from kneegate.emulator.profiles import Profile, list_profiles, load_profile
 
 __all__ = [
     "CoreStats",

@@ -8,10 +8,10 @@ from helpers.uvicorn_thread import serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kneegate.benchmarks.engine.core import EngineCore, EngineRequest
-from kneegate.benchmarks.engine.profiles import load_profile
-from kneegate.benchmarks.engine.protocol import parse_request, prefix_block_keys
-from kneegate.benchmarks.engine.server import build_app
+from kneegate.emulator.core import EngineCore, EngineRequest
+from kneegate.emulator.profiles import load_profile
+from kneegate.emulator.protocol import parse_request, prefix_block_keys
+from kneegate.emulator.server import build_app
 
 BLOCK = 16  # cpu-tiny's block size
 

@@ -1,8 +1,8 @@
 """How many SSE events/s the emulator serves in relay mode (zero compute), on one process.
 
-    python -m kneegate.benchmarks.engine.bench_relay [--streams 32] [--tokens 2000] [--seconds 10]
+    python -m kneegate.benchmarks.emulator_relay [--streams 32] [--tokens 2000] [--seconds 10]
 
-Starts `python -m kneegate.benchmarks.engine --profile relay` as a subprocess (one process,
+Starts `python -m kneegate.emulator --profile relay` as a subprocess (one process,
 one event
 loop: one core at most), streams from it with aiohttp, and prints events/s by wall clock and
 per CPU-second of the server process (from /proc), which is the figure that must be >= 20k.
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     args = ap.parse_args(argv)
     port = _free_port()
-    cmd = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", "relay",
+    cmd = [sys.executable, "-m", "kneegate.emulator", "--profile", "relay",
            "--port", str(port)]
     server = subprocess.Popen(cmd)
     try:

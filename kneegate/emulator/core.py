@@ -51,9 +51,9 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from kneegate.benchmarks.engine.blocks import BlockPool
-from kneegate.benchmarks.engine.cost import StepCost, Wander
-from kneegate.benchmarks.engine.profiles import Profile
+from kneegate.emulator.blocks import BlockPool
+from kneegate.emulator.cost import StepCost, Wander
+from kneegate.emulator.profiles import Profile
 
 __all__ = [
     "ADMISSION_REASONS",

@@ -34,7 +34,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from kneegate.benchmarks.engine.profiles import Profile
+from kneegate.emulator.profiles import Profile
 
 __all__ = ["StepCost", "Wander"]
 

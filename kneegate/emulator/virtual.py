@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kneegate.benchmarks.engine.core import EngineCore, EngineRequest
+from kneegate.emulator.core import EngineCore, EngineRequest
 
 __all__ = ["LoopResult", "closed_loop"]
 

@@ -1,4 +1,4 @@
-"""`python -m kneegate.benchmarks.engine --profile NAME --port P` (also `kneegate engine ...`)."""
+"""`python -m kneegate.emulator --profile NAME --port P` (also `kneegate engine ...`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from kneegate.benchmarks.engine.profiles import list_profiles
+from kneegate.emulator.profiles import list_profiles
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_app(args: argparse.Namespace) -> Starlette:
     """The emulator the parsed command line asks for."""
-    from kneegate.benchmarks.engine.server import build_app
+    from kneegate.emulator.server import build_app
 
     return build_app(
         args.profile,

@@ -64,7 +64,7 @@ def error_body(err: ApiError) -> dict[str, Any]:
     }
 
 
-# vLLM's messages, by the cap that refused (the reasons of benchmarks.engine.core)
+# vLLM's messages, by the cap that refused (the reasons of emulator.core)
 _QUEUE_FULL_MESSAGES = {
     "max_num_queued_reqs": "The engine is currently busy and cannot accept new requests. "
     "Please try again later or on a different instance.",

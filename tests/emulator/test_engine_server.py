@@ -17,8 +17,8 @@ import pytest
 from helpers.uvicorn_thread import serve
 from prometheus_client.parser import text_string_to_metric_families
 
-from kneegate.benchmarks.engine.__main__ import count, make_app, parse_args
-from kneegate.benchmarks.engine.server import build_app
+from kneegate.emulator.__main__ import count, make_app, parse_args
+from kneegate.emulator.server import build_app
 from kneegate.gateway.upstream.telemetry import parse_engine_metrics
 
 

@@ -39,11 +39,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kneegate.benchmarks.engine.core import EngineCore, EngineRequest, QueueFull
-from kneegate.benchmarks.engine.driver import RealTimeDriver, TokenQueue
-from kneegate.benchmarks.engine.metrics import EngineMetrics
-from kneegate.benchmarks.engine.profiles import Profile, load_profile
-from kneegate.benchmarks.engine.protocol import (
+from kneegate.emulator.core import EngineCore, EngineRequest, QueueFull
+from kneegate.emulator.driver import RealTimeDriver, TokenQueue
+from kneegate.emulator.metrics import EngineMetrics
+from kneegate.emulator.profiles import Profile, load_profile
+from kneegate.emulator.protocol import (
     DONE,
     ApiError,
     ParsedRequest,

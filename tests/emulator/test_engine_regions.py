@@ -6,10 +6,10 @@ from functools import cache
 
 import pytest
 
-from kneegate.benchmarks.engine.core import EngineCore
-from kneegate.benchmarks.engine.profiles import load_profile
-from kneegate.benchmarks.engine.virtual import LoopResult, closed_loop
 from kneegate.benchmarks.sweep import find_knee
+from kneegate.emulator.core import EngineCore
+from kneegate.emulator.profiles import load_profile
+from kneegate.emulator.virtual import LoopResult, closed_loop
 
 
 @cache

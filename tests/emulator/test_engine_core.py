@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from kneegate.benchmarks.engine.core import (
+from kneegate.emulator.core import (
     QUEUED_REQS,
     QUEUED_TOKENS,
     EngineCore,
     EngineRequest,
     QueueFull,
 )
-from kneegate.benchmarks.engine.profiles import list_profiles, load_profile
+from kneegate.emulator.profiles import list_profiles, load_profile
 
 
 def core(**overrides) -> EngineCore:
