@@ -198,7 +198,7 @@ def _lazy(module: str, func: str = "main") -> Callable[[list[str]], int]:
 PASSTHROUGH = {
     "engine": _lazy("kneegate.emulator.__main__"),
     "sweep": _lazy("kneegate.benchmarks.sweep"),
-    "simulate": _lazy("kneegate.benchmarks.simulate"),
+    "simulate": _lazy("kneegate.sim.cli"),
 }
 
 

@@ -1,4 +1,4 @@
-"""kneegate's floors only point down: controllers <- admission <- gateway <- emulator <-
+"""kneegate's floors only point down: controllers <- admission <- gateway <- emulator <- sim <-
 benchmarks <- cli.
 
 Read from the source with `ast`, nothing imported: every `import`, `from … import` (at the
@@ -27,11 +27,12 @@ FLOORS = {
     "admission": 1,  # the pure admission core
     "gateway": 2,  # the proxy's I/O
     "emulator": 3,  # the vLLM emulator
-    "benchmarks": 4,  # the simulator and the load tools
-    "cli": 5,  # the top floor: commands, the demo, the embedded engine
-    "embedded": 5,
-    "__main__": 5,
-    "__init__": 5,  # kneegate/__init__.py: a docstring
+    "sim": 4,  # the simulator: the admission core and the emulator's core in virtual time
+    "benchmarks": 5,  # the load tools
+    "cli": 6,  # the top floor: commands, the demo, the embedded engine
+    "embedded": 6,
+    "__main__": 6,
+    "__init__": 6,  # kneegate/__init__.py: a docstring
 }
 
 
@@ -114,7 +115,7 @@ def test_the_check_sees_an_import_up_a_floor(tmp_path: Path) -> None:
         "gateway/app.py": "import importlib\nimportlib.import_module('kneegate.cli')\n",
         "benchmarks/__init__.py": "from kneegate.gateway.app import build_app\n",
         "benchmarks/tool.py": "from kneegate.embedded import emulator_app\n",
-        "cli.py": "import kneegate.benchmarks.simulate\n",
+        "cli.py": "import kneegate.sim.cli\n",
     }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +129,7 @@ def test_the_check_sees_an_import_up_a_floor(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("floor", ["controllers", "admission", "gateway", "emulator",
+@pytest.mark.parametrize("floor", ["controllers", "admission", "gateway", "emulator", "sim",
                                    "benchmarks"])
 def test_each_floor_is_a_real_folder(floor: str) -> None:
     folder = PACKAGE / floor

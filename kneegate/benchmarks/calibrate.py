@@ -22,10 +22,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from kneegate.benchmarks.sweep import find_knee
 from kneegate.emulator.core import EngineCore
 from kneegate.emulator.profiles import load_profile
 from kneegate.emulator.virtual import LoopResult, closed_loop
+from kneegate.sim.knee_rule import find_knee
 
 LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]
 REF_TPUT = [156, 281, 475, 675, 890, 1067, 1149, 1188]

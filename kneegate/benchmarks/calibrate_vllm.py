@@ -45,11 +45,11 @@ from typing import Any
 
 from kneegate.benchmarks.curve_fit import CurveKnee, curve_knee
 from kneegate.benchmarks.loadgen import LoadConfig, LoadResult, closed_loop
-from kneegate.benchmarks.sweep import Knee, find_knee
 from kneegate.emulator.core import EngineCore
 from kneegate.emulator.profiles import load_profile
 from kneegate.emulator.virtual import LoopResult
 from kneegate.emulator.virtual import closed_loop as virtual_loop
+from kneegate.sim.knee_rule import Knee, find_knee
 
 __all__ = [
     "CLIENT_GAP_S", "DEFAULT_PROFILE", "LEVELS", "CurveKnee", "RealPoint", "compare",

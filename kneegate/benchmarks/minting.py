@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kneegate.benchmarks.simulate import Result, Scenario, Tenant, load_scenario, run, user_ttft
+from kneegate.sim.cli import Result, Scenario, Tenant, load_scenario, run, user_ttft
 
 __all__ = ["Served", "compare", "main", "newcomers", "served"]
 

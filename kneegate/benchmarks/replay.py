@@ -5,11 +5,11 @@
     python -m kneegate.benchmarks.replay --loads 1.5 --seconds 20 --arms direct,kneegate  # smoke
 
 Real traffic is bursty and its lengths heavy-tailed: the Azure 2023 traces (shipped in
-`benchmarks/data/traces`, CC-BY 4.0, attribution in its README) have prompts from a few tokens
+`kneegate/sim/traces`, CC-BY 4.0, attribution in its README) have prompts from a few tokens
 to 14,050 and answers from 1 token to thousands. Each request is sent at its recorded
 spacing, scaled by one factor so that the slice offers `load` x the engine's capacity for
-that mix (`benchmarks.trace.schedule`), with its recorded lengths fitted to the engine's
-context (`benchmarks.trace.cap`: answers keep at most half of it, prompts the rest), as token
+that mix (`kneegate.sim.trace.schedule`), with its recorded lengths fitted to the engine's
+context (`kneegate.sim.trace.cap`: answers keep at most half of it, prompts the rest), as token
 ids with `ignore_eos`, streamed; no two prompts share a prefix (`prompt_ids`).
 
 The engine's capacity for the mix is measured first (unless `--capacity TOK_S`): a closed
@@ -67,11 +67,11 @@ from typing import Any
 
 import aiohttp
 
-from kneegate.benchmarks import trace
 from kneegate.benchmarks.arms import Arm, _child, _serving, engine_command, gateway_command
 from kneegate.benchmarks.figures import _fmt, summarize
 from kneegate.benchmarks.openloop import Record, _Client
 from kneegate.benchmarks.overhead import _free_port
+from kneegate.sim import trace
 
 __all__ = ["BUCKETS", "arms", "by_bucket", "lost", "main", "prompt_ids", "replay", "run",
            "serving"]

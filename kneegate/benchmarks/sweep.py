@@ -16,43 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Knee", "SweepPoint", "find_knee", "main", "parse_levels", "regions", "run_sweep"]
+from kneegate.sim.knee_rule import Knee, find_knee
 
-
-@dataclass(frozen=True, slots=True)
-class Knee:
-    level: int | None  # None: every step still paid (no knee inside the levels tried)
-    index: int | None  # position of the knee in the levels
-    safe: int | None  # floor(backoff x level), at least 1
-    peak_level: int  # the level with the highest throughput
-    peak: float
-
-
-def find_knee(
-    levels: Sequence[int],
-    throughputs: Sequence[float],
-    *,
-    min_gain: float = 0.05,
-    backoff: float = 0.8,
-) -> Knee:
-    """Apply the 5% rule to a sweep (levels ascending, one throughput each)."""
-    if len(levels) != len(throughputs) or not levels:
-        raise ValueError("need one throughput per level, and at least one level")
-    peak_i = max(range(len(levels)), key=lambda i: throughputs[i])
-    for i in range(len(levels) - 1):
-        if throughputs[i + 1] < throughputs[i] * (1.0 + min_gain):
-            safe = max(1, math.floor(levels[i] * backoff))
-            return Knee(levels[i], i, safe, levels[peak_i], throughputs[peak_i])
-    return Knee(None, None, None, levels[peak_i], throughputs[peak_i])
-
-
-# -- the sweep tool ------------------------------------------------------------------------
+__all__ = ["SweepPoint", "main", "parse_levels", "regions", "run_sweep"]
 
 
 @dataclass(frozen=True, slots=True)

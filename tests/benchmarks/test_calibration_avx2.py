@@ -24,10 +24,10 @@ from kneegate.benchmarks.calibrate_vllm import (
     knee_of,
     load_real,
 )
-from kneegate.benchmarks.sweep import find_knee
 from kneegate.emulator.cost import StepCost
 from kneegate.emulator.profiles import load_profile
 from kneegate.emulator.virtual import LoopResult
+from kneegate.sim.knee_rule import find_knee
 
 Curves = tuple[list[RealPoint], list[LoopResult]]
 DATA = Path(__file__).parents[2] / "kneegate" / "benchmarks" / "data"

@@ -10,11 +10,12 @@ import pytest
 from helpers.uvicorn_thread import serve
 
 from kneegate.benchmarks.loadgen import LoadConfig, closed_loop, open_loop, run_trace
-from kneegate.benchmarks.sweep import SweepPoint, find_knee, main, parse_levels, regions
+from kneegate.benchmarks.sweep import SweepPoint, main, parse_levels, regions
 from kneegate.emulator.core import EngineCore
 from kneegate.emulator.profiles import load_profile
 from kneegate.emulator.server import build_app
 from kneegate.emulator.virtual import closed_loop as virtual_closed_loop
+from kneegate.sim.knee_rule import find_knee
 
 
 def test_knee_rule_on_the_reference_table() -> None:

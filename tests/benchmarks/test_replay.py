@@ -10,10 +10,10 @@ import urllib.request
 import pytest
 
 from kneegate.admission.affinity import prompt_keys
-from kneegate.benchmarks import trace
 from kneegate.benchmarks.arms import Arm
 from kneegate.benchmarks.openloop import Record, fetch_metrics, metric_totals
 from kneegate.benchmarks.replay import arms, by_bucket, lost, parser, prompt_ids, replay, serving
+from kneegate.sim import trace
 
 
 def _args(*extra: str):  # type: ignore[no-untyped-def]

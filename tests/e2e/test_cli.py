@@ -167,18 +167,19 @@ def test_the_gateway_floor_never_loads_the_load_tools() -> None:
             "[importlib.import_module(m.name) for m in "
             "pkgutil.walk_packages(kneegate.gateway.__path__, 'kneegate.gateway.')]; "
             "print(sorted(m for m in sys.modules if m.startswith(("
-            "'kneegate.benchmarks', 'kneegate.emulator'))), "
+            "'kneegate.benchmarks', 'kneegate.emulator', 'kneegate.sim'))), "
             "sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('gateway', 'controllers', 'benchmarks', 'emulator')))")
+            "('gateway', 'controllers', 'benchmarks', 'emulator', 'sim')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[] []"  # nor any module under a second, bare name
 
 
-@pytest.mark.parametrize("tool", ["engine", "sweep", "simulate"])
-def test_benchmark_tools_are_reached_lazily(tool: str) -> None:
-    pytest.importorskip("kneegate.emulator.server" if tool == "engine"
-                        else f"kneegate.benchmarks.{tool}")
+@pytest.mark.parametrize(("tool", "module"), [("engine", "kneegate.emulator.server"),
+                                             ("sweep", "kneegate.benchmarks.sweep"),
+                                             ("simulate", "kneegate.sim.cli")])
+def test_the_tools_are_reached_lazily(tool: str, module: str) -> None:
+    pytest.importorskip(module)
     out = subprocess.run([sys.executable, "-m", "kneegate", tool, "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "usage:" in out.stdout

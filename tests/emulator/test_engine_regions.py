@@ -6,10 +6,10 @@ from functools import cache
 
 import pytest
 
-from kneegate.benchmarks.sweep import find_knee
 from kneegate.emulator.core import EngineCore
 from kneegate.emulator.profiles import load_profile
 from kneegate.emulator.virtual import LoopResult, closed_loop
+from kneegate.sim.knee_rule import find_knee
 
 
 @cache

@@ -1,6 +1,6 @@
 """The engine slows 4x: `knee` brings the limit down. The scenario of
 tests/e2e/test_e2e_knee.py (slow tier, real sockets and clocks) in virtual time: the
-same admission queue and controller against the engine core (`benchmarks.simulate`), the
+same admission queue and controller against the engine core (`kneegate.sim`), the
 emulator's cpu-tiny at 3x its knee rate, every step 4x longer from 45 s. Deterministic by
 seed, about a second per seed.
 """
@@ -11,8 +11,8 @@ import statistics
 
 import pytest
 
-from kneegate.benchmarks.sim.scenarios import Phase
-from kneegate.benchmarks.simulate import Result, load_scenario, run
+from kneegate.sim.cli import Result, load_scenario, run
+from kneegate.sim.scenarios import Phase
 
 SLOWDOWN_AT = 45.0
 

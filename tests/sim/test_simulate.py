@@ -7,11 +7,13 @@ import statistics
 
 import pytest
 
-from kneegate.benchmarks import trace
-from kneegate.benchmarks.sim.arrivals import _arrivals
-from kneegate.benchmarks.sim.goodput import goodput
-from kneegate.benchmarks.sim.oracle import Oracle
-from kneegate.benchmarks.simulate import (
+from kneegate.controllers.knee import KneeConfig
+from kneegate.emulator.core import EngineCore
+from kneegate.emulator.profiles import Profile, load_profile
+from kneegate.emulator.virtual import closed_loop
+from kneegate.sim import trace
+from kneegate.sim.arrivals import _arrivals
+from kneegate.sim.cli import (
     TRACE_STRIDE,
     WAIT_CAPS,
     engine_ttft,
@@ -28,11 +30,9 @@ from kneegate.benchmarks.simulate import (
     true_knee,
     user_ttft,
 )
-from kneegate.benchmarks.sweep import find_knee
-from kneegate.controllers.knee import KneeConfig
-from kneegate.emulator.core import EngineCore
-from kneegate.emulator.profiles import Profile, load_profile
-from kneegate.emulator.virtual import closed_loop
+from kneegate.sim.goodput import goodput
+from kneegate.sim.knee_rule import find_knee
+from kneegate.sim.oracle import Oracle
 
 
 def test_every_scenario_file_loads() -> None:
@@ -215,7 +215,7 @@ def test_seeds_read_each_scenario_as_a_distribution(
         assert controllers == ("knee", "fixed@40/0.5T")
         return name, seed, ratios[seed]
 
-    monkeypatch.setattr("kneegate.benchmarks.simulate._ratios", fake)
+    monkeypatch.setattr("kneegate.sim.cli._ratios", fake)
     assert main(["--scenario", "steady-3x", "--controllers", "knee,fixed@40/0.5T",
                  "--seeds", "1-4"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]

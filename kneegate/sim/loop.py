@@ -21,9 +21,6 @@ from kneegate.admission.types import (
     Ticket,
     UpstreamState,
 )
-from kneegate.benchmarks.sim.arrivals import Arrival, _arrivals
-from kneegate.benchmarks.sim.scenarios import Scenario
-from kneegate.benchmarks.sim.true_knee import scenario_knee
 from kneegate.controllers.base import (
     EngineStats,
     LimitController,
@@ -34,6 +31,9 @@ from kneegate.controllers.base import (
 from kneegate.controllers.registry import build_controller
 from kneegate.emulator.core import EngineCore, EngineRequest
 from kneegate.emulator.profiles import load_profile
+from kneegate.sim.arrivals import Arrival, _arrivals
+from kneegate.sim.scenarios import Scenario
+from kneegate.sim.true_knee import scenario_knee
 
 __all__ = ["Move", "Result", "demand_ratio", "run"]
 

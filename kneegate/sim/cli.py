@@ -42,10 +42,15 @@ controller against the same oracle (its row is named as the oracle's would be).
 0.95) in place of one seed's table: on a host whose speed wanders one seed is one draw of
 the noise, and its oracle the best fixed pair in hindsight of that draw.
 
-    python -m kneegate.benchmarks.simulate --scenario all --controllers knee,aimd,gradient \
+    python -m kneegate.sim --scenario all --controllers knee,aimd,gradient \
         --seed 7 --out out/sim
-    python -m kneegate.benchmarks.simulate --scenario noisy-gentle-3x --controllers knee \
+    python -m kneegate.sim --scenario noisy-gentle-3x --controllers knee \
         --seeds 1-36 --jobs 2
+
+`python -m kneegate.sim` and `kneegate simulate` run `main`. The command is a module of its
+own rather than the package's `__main__.py` (which only calls `main`) because what it runs
+(`simulate`, `run_spec`, `fixed_pair`, the names re-exported below) is imported too: by the
+tests and by the load tools that build on the simulator.
 """
 
 from __future__ import annotations
@@ -58,15 +63,15 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from kneegate.benchmarks.sim.arrivals import TRACE_STRIDE
-from kneegate.benchmarks.sim.goodput import engine_ttft, user_ttft
-from kneegate.benchmarks.sim.judge import Row, judge
-from kneegate.benchmarks.sim.loop import Result, demand_ratio, run
-from kneegate.benchmarks.sim.oracle import WAIT_CAPS, oracle
-from kneegate.benchmarks.sim.report import HEADER, fmt, plot
-from kneegate.benchmarks.sim.scenarios import Scenario, Tenant, load_scenario, scenario_names
-from kneegate.benchmarks.sim.tenants import tenant_rows, tenant_table, water_fill
-from kneegate.benchmarks.sim.true_knee import scenario_knee, trace_mix, true_knee
+from kneegate.sim.arrivals import TRACE_STRIDE
+from kneegate.sim.goodput import engine_ttft, user_ttft
+from kneegate.sim.judge import Row, judge
+from kneegate.sim.loop import Result, demand_ratio, run
+from kneegate.sim.oracle import WAIT_CAPS, oracle
+from kneegate.sim.report import HEADER, fmt, plot
+from kneegate.sim.scenarios import Scenario, Tenant, load_scenario, scenario_names
+from kneegate.sim.tenants import tenant_rows, tenant_table, water_fill
+from kneegate.sim.true_knee import scenario_knee, trace_mix, true_knee
 
 __all__ = [
     "TRACE_STRIDE",
@@ -179,7 +184,7 @@ def over_seeds(names: list[str], controllers: list[str], seeds: list[int], jobs:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m kneegate.benchmarks.simulate", description=__doc__.split("\n")[0]
+        prog="python -m kneegate.sim", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--scenario", default="all", help=f"one of {scenario_names()} or 'all'")
     ap.add_argument("--controllers", default="knee,aimd,gradient")

@@ -1,5 +1,5 @@
 """The true knee of a scenario's engine: a closed-loop sweep in virtual time, judged by
-the operator's 5% rule (benchmarks.sweep.find_knee); its rate is the unit of load.
+the operator's 5% rule (kneegate.sim.knee_rule.find_knee); its rate is the unit of load.
 """
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import functools
 import statistics
 
-from kneegate.benchmarks import trace
-from kneegate.benchmarks.sim.scenarios import Scenario
-from kneegate.benchmarks.sweep import find_knee
 from kneegate.emulator.core import EngineCore
 from kneegate.emulator.profiles import Profile
 from kneegate.emulator.virtual import closed_loop
+from kneegate.sim import trace
+from kneegate.sim.knee_rule import find_knee
+from kneegate.sim.scenarios import Scenario
 
 __all__ = ["scenario_knee", "trace_mix", "true_knee"]
 

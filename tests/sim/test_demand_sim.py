@@ -5,7 +5,7 @@ half-life, against what the run itself shows.
 The truth is offered / served at the engine's capacity: requests arriving per second over
 requests completed per second at steady 3x overload (the engine held full by the
 controller), both counted from the run's requests over [60, 180) s. A scenario's load is in
-units of the closed-loop knee's request rate (benchmarks/simulate.py); the engine at the
+units of the closed-loop knee's request rate (kneegate/sim/cli.py); the engine at the
 controller's level serves ~1.3x that in the open loop, so "3x" is ~2.5x what it serves, and
 that is what the ratio has to read (the sweep of fixed limits in docs/benchmarks.md shows
 the estimator reads offered / served within 2% wherever the engine is held full).
@@ -17,7 +17,7 @@ import functools
 import math
 import statistics
 
-from kneegate.benchmarks.simulate import Result, load_scenario, run
+from kneegate.sim.cli import Result, load_scenario, run
 
 
 @functools.cache

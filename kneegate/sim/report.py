@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from kneegate.benchmarks.sim.goodput import goodput_series, user_ttft
-from kneegate.benchmarks.sim.judge import Row, _q, _smooth
-from kneegate.benchmarks.sim.loop import Result
-from kneegate.benchmarks.sim.oracle import Oracle
-from kneegate.benchmarks.sim.scenarios import Scenario
+from kneegate.sim.goodput import goodput_series, user_ttft
+from kneegate.sim.judge import Row, _q, _smooth
+from kneegate.sim.loop import Result
+from kneegate.sim.oracle import Oracle
+from kneegate.sim.scenarios import Scenario
 
 __all__ = ["HEADER", "fmt", "plot"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from kneegate.benchmarks.sim.loop import Result, _Req
-from kneegate.benchmarks.sim.scenarios import Scenario
+from kneegate.sim.loop import Result, _Req
+from kneegate.sim.scenarios import Scenario
 
 __all__ = ["engine_ttft", "goodput", "goodput_series", "user_ttft"]
 

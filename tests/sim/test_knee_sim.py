@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 
-from kneegate.benchmarks.sim.goodput import goodput
-from kneegate.benchmarks.sim.judge import settle_time
-from kneegate.benchmarks.simulate import load_scenario, oracle, run
+from kneegate.sim.cli import load_scenario, oracle, run
+from kneegate.sim.goodput import goodput
+from kneegate.sim.judge import settle_time
 
 
 def test_back_within_ten_percent_of_the_new_oracle_after_a_capacity_halving() -> None:

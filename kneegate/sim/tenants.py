@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kneegate.admission.fairness import jain_index
-from kneegate.benchmarks.sim.goodput import goodput
-from kneegate.benchmarks.sim.loop import run
-from kneegate.benchmarks.sim.scenarios import Scenario
+from kneegate.sim.goodput import goodput
+from kneegate.sim.loop import run
+from kneegate.sim.scenarios import Scenario
 
 __all__ = ["TenantRow", "tenant_rows", "tenant_table", "water_fill"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from kneegate.benchmarks import trace
-from kneegate.benchmarks.sim.scenarios import Scenario
+from kneegate.sim import trace
+from kneegate.sim.scenarios import Scenario
 
 __all__ = ["TRACE_STRIDE", "Arrival"]
 

@@ -6,15 +6,14 @@ from __future__ import annotations
 import pytest
 
 from kneegate.admission.fairness import jain_index
-from kneegate.benchmarks.minting import compare, newcomers, served
-from kneegate.benchmarks.sim.goodput import goodput
-from kneegate.benchmarks.simulate import (
+from kneegate.sim.cli import (
     Tenant,
     load_scenario,
     run,
     tenant_rows,
     water_fill,
 )
+from kneegate.sim.goodput import goodput
 
 
 def test_water_fill_caps_each_at_its_demand_and_shares_the_rest_by_weight() -> None:
@@ -48,23 +47,3 @@ def test_light_tenants_get_their_share_where_one_fifo_gave_them_a_fraction() -> 
     heavy = next(r for r in rows if r.tenant == "heavy")
     assert heavy.fifo > 2.5 * heavy.fair_share > heavy.goodput
     assert total == pytest.approx(total_fifo, rel=0.05)
-
-
-def test_light_tenants_keep_their_share_when_the_heavy_client_mints_a_key_per_request() -> None:
-    # issue 44: each minted key used to start level with the least served, one share each
-    # (the light tenants' good share fell to 0.02x); pooled until served, they share one
-    sc = load_scenario("tenants-minting").model_copy(update={"duration": 90.0})
-    rows = compare(sc, "knee", 7)
-    for name, (one_key, minting) in rows.items():
-        if name.startswith("light"):
-            assert minting.good >= 0.9 * one_key.good, (name, one_key, minting)
-    heavy_one, heavy_minting = rows["heavy"]
-    assert heavy_minting.goodput <= 1.1 * heavy_one.goodput
-
-
-def test_a_new_users_first_request_is_served_promptly() -> None:
-    # each request of `new` is a key never seen: it waits in the pool, not behind everyone
-    sc = load_scenario("tenants-minting").model_copy(update={"duration": 90.0})
-    s = served(run(newcomers(sc, 0.5), "knee", 7), sc, "new")
-    assert s.arrived > 50 and s.served >= 0.95, s
-    assert s.waits[len(s.waits) * 9 // 10] <= 0.5 and s.waits[-1] <= 2.0, s.waits

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kneegate.benchmarks.simulate import load_scenario, scenario_names, simulate
+from kneegate.sim.cli import load_scenario, scenario_names, simulate
 
 FLOORS: dict[str, float] = yaml.safe_load(Path(__file__).with_name("sim_floors.yaml").read_text())
 

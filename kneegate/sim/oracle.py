@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kneegate.benchmarks.sim.goodput import _segments, goodput
-from kneegate.benchmarks.sim.loop import Move, Result, run
-from kneegate.benchmarks.sim.scenarios import Scenario
-from kneegate.benchmarks.sim.true_knee import scenario_knee
 from kneegate.emulator.profiles import load_profile
+from kneegate.sim.goodput import _segments, goodput
+from kneegate.sim.loop import Move, Result, run
+from kneegate.sim.scenarios import Scenario
+from kneegate.sim.true_knee import scenario_knee
 
 __all__ = ["FIRST_CAP", "WAIT_CAPS", "Oracle", "Pair", "oracle"]
 

@@ -7,16 +7,16 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from kneegate.benchmarks.sim.goodput import (
+from kneegate.sim.goodput import (
     _segments,
     engine_ttft,
     goodput,
     goodput_series,
     user_ttft,
 )
-from kneegate.benchmarks.sim.loop import Result
-from kneegate.benchmarks.sim.oracle import Oracle
-from kneegate.benchmarks.sim.scenarios import Scenario
+from kneegate.sim.loop import Result
+from kneegate.sim.oracle import Oracle
+from kneegate.sim.scenarios import Scenario
 
 __all__ = ["Row", "judge", "settle_time"]
 

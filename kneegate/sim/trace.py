@@ -1,6 +1,6 @@
 """Production traces: read one, cap its lengths to an engine, and space its arrivals for a load.
 
-    TRACES            the traces shipped in `benchmarks/data/traces` (CC-BY 4.0, attribution
+    TRACES            the traces shipped in `kneegate/sim/traces` (CC-BY 4.0, attribution
                       in its README): `conv` (Azure 2023 conversation: decode-heavy) and
                       `code` (Azure 2023 code completion: prefill-heavy, short answers)
     load(name|path)   the rows, in arrival order: (seconds from the first arrival, prompt
@@ -12,7 +12,7 @@
                       scaled so that it offers `rate` requests/s on average for `seconds`
 
 Pure and deterministic: no clock, no I/O but reading the file. The wall-clock replay
-(`benchmarks.replay`) and the simulator (`benchmarks.simulate`) both replay through it.
+(`benchmarks.replay`) and the simulator (`kneegate.sim`) both replay through it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 __all__ = ["TRACES", "Request", "cap", "load", "schedule"]
 
-_DATA = Path(__file__).resolve().parent / "data" / "traces"
+_DATA = Path(__file__).resolve().with_name("traces")
 TRACES = {
     "conv": _DATA / "AzureLLMInferenceTrace_conv.csv",
     "code": _DATA / "AzureLLMInferenceTrace_code.csv",

@@ -1,4 +1,4 @@
-"""Scenarios: the simulator's workloads, read from the YAML files in benchmarks/scenarios/.
+"""Scenarios: the simulator's workloads, read from the YAML files in kneegate/sim/scenarios/.
 
 
 A `Scenario` names its engine profile, traffic classes, phases (load, slowdown, bursts)
@@ -17,7 +17,7 @@ __all__ = ["SCENARIOS", "Burst", "Phase", "Scenario", "Tenant", "TrafficClass", 
            "scenario_names"]
 
 
-SCENARIOS = Path(__file__).parents[1] / "scenarios"
+SCENARIOS = Path(__file__).with_name("scenarios")
 
 
 class _Strict(BaseModel):
@@ -80,7 +80,7 @@ class Scenario(_Strict):
     tenants: list[Tenant] = Field(
         default_factory=list, description="none: every request is the same (anonymous) tenant")
     trace: str | None = Field(
-        None, description="a production trace (`benchmarks.trace.TRACES`): its arrivals' "
+        None, description="a production trace (`kneegate.sim.trace.TRACES`): its arrivals' "
         "spacing and its requests' lengths, fitted to the profile's context, replace the "
         "Poisson arrivals and the uniform lengths; `load` is then x the capacity for its mix")
     trace_start: int = Field(0, ge=0, description="the trace row seed 0 starts at")
