@@ -58,7 +58,7 @@ def closed_loop(
     """Run `concurrency` clients for `seconds` of virtual time; measure after `warmup`.
 
     Latencies are those of requests finished after `warmup`; with `started_after_warmup`,
-    of requests that also arrived after it, as benchmarks.loadgen counts a live run (the
+    of requests that also arrived after it, as kneegate_bench.loadgen counts a live run (the
     first wave, all clients arriving at once, then stays out of TTFT p99). `lengths`: the
     requests' (prompt, output) tokens in turn, cycling (a production mix) in place of
     `prompt_tokens` and `max_tokens`.

@@ -12,7 +12,7 @@
                       scaled so that it offers `rate` requests/s on average for `seconds`
 
 Pure and deterministic: no clock, no I/O but reading the file. The wall-clock replay
-(`benchmarks.replay`) and the simulator (`kneegate.sim`) both replay through it.
+(`kneegate_bench.replay`) and the simulator (`kneegate.sim`) both replay through it.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kneegate.benchmarks.arms import _child
-from kneegate.benchmarks.overhead import _free_port
+from kneegate_bench.arms import _child
+from kneegate_bench.overhead import _free_port
 
 pytestmark = pytest.mark.browser
 

@@ -44,7 +44,7 @@ from helpers.deploy import (
     variable_metrics,
 )
 
-from kneegate.benchmarks.overhead import _free_port
+from kneegate_bench.overhead import _free_port
 
 pytestmark = [
     pytest.mark.prometheus,
