@@ -226,7 +226,8 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
     check.set_defaults(func=cmd_check)
-    demo = sub.add_parser("demo", help="the same overload sent direct and through kneegate",
+    demo = sub.add_parser("demo", help="the same overload sent direct and through kneegate "
+                          "(kneegate-bench)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     demo.add_argument("--load", type=float, default=3.0, help="x the engine's capacity")
     demo.add_argument("--seconds", type=float, default=20.0, help="measured, per arm")

@@ -6,9 +6,10 @@
 Each level is a closed-loop run (kneegate_bench.loadgen) of `--warmup` + `--step-seconds`;
 throughput is output tokens/s over the measured part. The knee is the last level whose next
 step adds less than `--min-gain` (5%) throughput; the safe level is `--backoff` (80%) of it,
-rounded down, at least 1. Prints a table as it goes; writes sweep.json and sweep.png (tokens/s
-and TTFT/TPOT against concurrency, regions shaded, knee and safe level marked) to `--out`.
-Works against any OpenAI-compatible URL: the emulator, a real vLLM, or kneegate itself.
+rounded down, at least 1 (the rule: kneegate.sim.knee_rule). Prints a table as it goes; writes
+sweep.json and sweep.png (tokens/s and TTFT/TPOT against concurrency, regions shaded, knee and
+safe level marked) to `--out`. Works against any OpenAI-compatible URL: the emulator, a real
+vLLM, or kneegate itself.
 """
 
 from __future__ import annotations
