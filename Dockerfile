@@ -1,5 +1,6 @@
-# kneegate: the gateway alone. The load tools (kneegate/benchmarks: the emulator, the load
-# generators, the simulator) stay out of this image; so does every optional extra.
+# kneegate: the gateway alone. The emulator and the simulator (kneegate/emulator, kneegate/sim)
+# stay out of this image, as do the load tools (bench/, kneegate-bench: a distribution of their
+# own, never copied here) and every optional extra.
 #
 #   docker build -t kneegate .
 #   docker run -e KNEEGATE_UPSTREAM=http://vllm:8000 -p 8080:8080 kneegate
@@ -10,7 +11,7 @@
 # KNEEGATE_PORT (8080 here; the health check follows it), KNEEGATE_ADMIN_PORT, KNEEGATE_HOST
 # (0.0.0.0 here), KNEEGATE_CONFIG (a file, e.g. /etc/kneegate/kneegate.yaml mounted); a flag
 # after the image name overrides them (`kneegate serve --help`). With no upstream at all the
-# gateway says so and exits 2: the built-in emulator is one of the load tools.
+# gateway says so and exits 2: the built-in emulator is not in the image.
 #
 # BASE: any Debian-like image with Python >= 3.11 and its venv module. Where no registry
 # answers, tests/container/base_image.sh makes one from Debian's packages.
@@ -28,9 +29,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kneegate ./kneegate
-# .dockerignore already leaves kneegate/benchmarks out of the context; this line keeps it out
-# for a builder that ignores that file
-RUN rm -rf kneegate/benchmarks \
+# .dockerignore already leaves kneegate/emulator and kneegate/sim out of the context; this line
+# keeps them out for a builder that ignores that file
+RUN rm -rf kneegate/emulator kneegate/sim \
     && python3 -m venv /opt/kneegate \
     && /opt/kneegate/bin/pip install . \
     && rm -rf /src \

@@ -1,8 +1,9 @@
 """Stop early, with the command that fixes it, when pytest runs outside kneegate's environment.
 
 Without this, a `pytest` from an interpreter that lacks the test extras fails in a dozen
-collection errors about missing modules. The requirements are read from pyproject.toml
-(the runtime dependencies and the `test` extra, with the extras it includes), so this file
+collection errors about missing modules. The requirements are read from pyproject.toml (the
+runtime dependencies and the `test` extra, with the extras it includes) and from
+bench/pyproject.toml (the load tools, kneegate-bench, which the tests drive too), so this file
 never needs a list of its own.
 """
 
@@ -16,7 +17,12 @@ from typing import Any
 
 import pytest
 
-INSTALL = "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && .venv/bin/pytest -q"
+ROOT = Path(__file__).parent
+# the distributions the tests run against: kneegate with its test extra, and its load tools
+PROJECTS = [ROOT / "pyproject.toml", ROOT / "bench" / "pyproject.toml"]
+# the README's test line (tests/test_docs.py holds them equal)
+INSTALL = ("python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' -e ./bench "
+           "&& .venv/bin/pytest -q")
 
 
 def _requirements(project: dict[str, Any]) -> list[str]:
@@ -28,7 +34,7 @@ def _requirements(project: dict[str, Any]) -> list[str]:
         seen.add(extra)
         for req in extras.get(extra, []):
             own = re.fullmatch(rf"{re.escape(name)}\[([\w,\s-]+)\]", req)
-            if own:  # "kneegate[bench]": an extra that includes another
+            if own:  # "kneegate[plots]": an extra that includes another
                 todo += [e.strip() for e in own.group(1).split(",") if e.strip() not in seen]
             else:
                 reqs.append(req)
@@ -36,9 +42,16 @@ def _requirements(project: dict[str, Any]) -> list[str]:
 
 
 def _missing() -> list[str]:
-    project = tomllib.loads((Path(__file__).parent / "pyproject.toml").read_text())["project"]
     missing = []
-    for req in _requirements(project):
+    for path in PROJECTS:
+        project = tomllib.loads(path.read_text())["project"]
+        missing += _absent([project["name"], *_requirements(project)])
+    return missing
+
+
+def _absent(reqs: list[str]) -> list[str]:
+    missing = []
+    for req in reqs:
         dist = re.match(r"[A-Za-z0-9_.-]+", req)
         if dist is None:
             continue

@@ -2,11 +2,14 @@
 
 One installed package, in floors that only point down (tests/test_layers.py keeps them so):
 
-    kneegate.cli, kneegate.embedded   the top floor: the command line, the demo and the
-                                      embedded engine; the only floor that imports the others
-    kneegate.benchmarks               the engine emulator and the load tools (the `bench`
-                                      extra holds what they need); never imported by the
-                                      gateway
+    kneegate.cli, kneegate.embedded   the top floor: the command line and the embedded
+                                      engine; the only floor that imports the others (and,
+                                      for `kneegate demo` and `sweep`, the load tools:
+                                      kneegate_bench, a distribution of their own)
+    kneegate.sim                      the simulator: the admission core, the controllers
+                                      and the emulator's core in virtual time
+    kneegate.emulator                 the vLLM emulator; neither it nor the simulator is
+                                      imported by the gateway
     kneegate.gateway                  the proxy's I/O: HTTP, relay, upstreams, metrics,
                                       config, serving
     kneegate.admission                the pure admission core: queue, wait prediction, fair

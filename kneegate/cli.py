@@ -1,11 +1,11 @@
-"""`kneegate`: serve, check-config, demo, and the benchmark tools.
+"""`kneegate`: serve, check-config, the emulator, the simulator and the load tools.
 
     kneegate serve [--config FILE] [--upstream URL ...] [--host H] [--port P]
                    [--admin-port P] [--controller NAME] [--limit N] [--workers N]
                    [--ttft-objective S] [--log-format text|json] [--no-access-log]
     kneegate check-config FILE        # exit 0, or 1 naming the field path and the reason
-    kneegate demo                     # the same overload direct and through kneegate
-    kneegate engine|sweep|simulate …  # the tools in benchmarks/ (loaded only when asked)
+    kneegate engine|simulate …        # the emulator, the simulator (loaded only when asked)
+    kneegate demo|sweep …             # load tools: kneegate-bench, pip install -e ./bench
 
 Flags override the environment (`KNEEGATE_CONFIG`, `KNEEGATE_UPSTREAM`, `KNEEGATE_HOST`,
 `KNEEGATE_PORT`, `KNEEGATE_ADMIN_PORT`: what the container image is configured by), which
@@ -39,8 +39,8 @@ from kneegate.gateway.config.upstream import public_url
 from kneegate.gateway.errors import CannotListen, ConfigError
 from kneegate.gateway.observability.logs import configure as configure_logging
 
-__all__ = ["ENVIRONMENT", "EXTRA_MODULES", "apply_flags", "from_environment", "main",
-           "missing_extra", "version"]
+__all__ = ["BENCH_MODULES", "ENVIRONMENT", "EXTRA_MODULES", "LEFT_OUT", "apply_flags",
+           "from_environment", "main", "missing_extra", "version"]
 
 log = logging.getLogger("kneegate")
 
@@ -158,7 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     read_admin_token(cfg, args.config or "command line")  # an unreadable token file stops here
     if not cfg.upstreams and not emulator_installed():
         raise ConfigError("command line", "upstreams", "none named, and the built-in emulator "
-                          "is not installed here (an install without the load tools, as the "
+                          "is not installed here (an install without it, as the "
                           "container image): give one with --upstream URL or KNEEGATE_UPSTREAM")
     configure_logging(cfg.server.log_format)
     return run(cfg, prepare=lambda c: apply_flags(c, args), config_path=args.config,
@@ -178,7 +178,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kneegate.benchmarks.demo import run_demo  # the load tools and the emulator: asked for only
+    from kneegate_bench.demo import run_demo  # the load tools (kneegate-bench): asked for only
 
     configure_logging("text")
     return int(run_demo(load=args.load, seconds=args.seconds, profile=args.profile,
@@ -196,9 +196,14 @@ def _lazy(module: str, func: str = "main") -> Callable[[list[str]], int]:
 
 
 PASSTHROUGH = {
-    "engine": _lazy("kneegate.benchmarks.engine.__main__"),
-    "sweep": _lazy("kneegate.benchmarks.sweep"),
-    "simulate": _lazy("kneegate.benchmarks.simulate"),
+    "engine": _lazy("kneegate.emulator.__main__"),
+    "sweep": _lazy("kneegate_bench.sweep"),
+    "simulate": _lazy("kneegate.sim.cli"),
+}
+PASSTHROUGH_HELP = {
+    "engine": "the vLLM emulator, an OpenAI-compatible engine on a port",
+    "sweep": "step concurrency, find the knee, back off (kneegate-bench)",
+    "simulate": "controllers against the emulator's core in virtual time",
 }
 
 
@@ -221,7 +226,8 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
     check.set_defaults(func=cmd_check)
-    demo = sub.add_parser("demo", help="the same overload sent direct and through kneegate",
+    demo = sub.add_parser("demo", help="the same overload sent direct and through kneegate "
+                          "(kneegate-bench)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     demo.add_argument("--load", type=float, default=3.0, help="x the engine's capacity")
     demo.add_argument("--seconds", type=float, default=20.0, help="measured, per arm")
@@ -231,24 +237,33 @@ def _parser() -> argparse.ArgumentParser:
                       "matplotlib: the plots extra); '' draws nothing")
     demo.set_defaults(func=cmd_demo)
     for name in PASSTHROUGH:
-        sub.add_parser(name, help=f"benchmarks: {name} (its own --help)", add_help=False)
+        sub.add_parser(name, help=f"{PASSTHROUGH_HELP[name]} (its own --help)", add_help=False)
     return p
 
 
 # what the optional extras install (pyproject.toml), by import name: a command that needs one
-# of them says how to install it instead of a traceback. `bench`: the load tools' client;
-# `plots`: the pictures the sweep and the simulator write (and the demo, when it can)
-EXTRA_MODULES = {"aiohttp": "bench", "matplotlib": "plots"}
+# of them says how to install it instead of a traceback. `plots`: the pictures the sweep and
+# the simulator write (and the demo, when it can)
+EXTRA_MODULES = {"matplotlib": "plots"}
+# the parts of kneegate an install may leave out (the container image does), by package
+LEFT_OUT = {"kneegate.emulator": "the emulator", "kneegate.sim": "the simulator"}
+# the load tools (`kneegate demo`, `kneegate sweep`): the kneegate-bench distribution, bench/
+# in a clone, with its own dependency, aiohttp
+BENCH_MODULES = ("kneegate_bench", "aiohttp")
 
 
 def missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
     """The one line that tells how to install what `command` misses; None when `exc` is
-    about neither an extra nor the load tools."""
+    about neither an extra, a part left out nor the load tools."""
     name = exc.name or ""
-    if name == "kneegate.benchmarks" or name.startswith("kneegate.benchmarks."):
-        return (f"kneegate {command} needs the load tools, which this install leaves out (the "
-                "container image does): run it from a clone or a pip install of kneegate")
     module = name.partition(".")[0]
+    if module in BENCH_MODULES:
+        return (f"kneegate {command} needs the load tools, the kneegate-bench distribution "
+                f"({module} is not installed): in a clone of kneegate, pip install -e ./bench")
+    for package, part in LEFT_OUT.items():
+        if name == package or name.startswith(f"{package}."):
+            return (f"kneegate {command} needs {part}, which this install leaves out (the "
+                    "container image does): run it from a clone or a pip install of kneegate")
     extra = EXTRA_MODULES.get(module)
     if extra is None:
         return None

@@ -1,16 +1,19 @@
-"""The docs point at things that exist: README.md and docs/*.md.
+"""The docs point at things that exist: README.md and docs/**/*.md.
 
 Every relative link (and its `#anchor`, by GitHub's heading slugs) resolves to a file in the
-repository; every `python -m MODULE` shown in code names a module that `python -m` can run;
-every `kneegate SUBCOMMAND …` names a subcommand, and one of the gateway's own (serve,
+repository; every `python -m MODULE` shown in code names a module that `python -m` can run
+(of kneegate or of its load tools, kneegate_bench: the tests run with both installed); every
+`kneegate SUBCOMMAND …` names a subcommand, and one of the gateway's own (serve,
 check-config, demo) shown with arguments parses whole, flags included; every
 `python path/to/script.py` exists; the README's shell blocks run kneegate and Python from
-the `.venv` its first command installs into.
+the `.venv` its first command installs into; CI runs exactly the README's test line.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.machinery
 import importlib.util
 import re
 import shlex
@@ -21,7 +24,7 @@ import pytest
 from kneegate import cli
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 EXTERNAL = {"vllm"}  # other programs' modules, shown for their own environment
 
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.S | re.M)
@@ -91,15 +94,22 @@ def broken_links(doc: Path) -> list[str]:
     return broken
 
 
+def _spec(module: str) -> importlib.machinery.ModuleSpec | None:
+    try:
+        return importlib.util.find_spec(module)
+    except ModuleNotFoundError:  # a package above it is missing: a name gone stale
+        return None
+
+
 def missing_modules(doc: Path) -> list[str]:
     missing = []
     for code in _code(doc.read_text()):
         for module in PYTHON_M.findall(code):
             if module.split(".")[0] in EXTERNAL:
                 continue
-            spec = importlib.util.find_spec(module)
+            spec = _spec(module)
             if spec is not None and spec.submodule_search_locations is not None:
-                spec = importlib.util.find_spec(f"{module}.__main__")
+                spec = _spec(f"{module}.__main__")
             if spec is None:
                 missing.append(f"python -m {module}")
         missing += [f"python {s}" for s in PYTHON_FILE.findall(code) if not (ROOT / s).exists()]
@@ -155,13 +165,15 @@ def test_the_checks_catch_what_they_mean_to(
         "# Top: the `x`'s part\n\n[a](missing.md) [b](#top-the-xs-part) [c](#nowhere) "
         "[d](https://example.com) `[e](gone.md)` `/kneegate/status` `kneegate\ncheck-config`\n\n"
         "```bash\n.venv/bin/kneegate serve --no-such-flag  # a comment\nkneegate frobnicate\n"
-        "kneegate demo --load 2 && python -m kneegate.benchmarks.no_such_tool --x \\\n  --y\n"
+        "kneegate demo --load 2 && python -m kneegate_bench.no_such_tool --x \\\n  --y\n"
         "python3 -m json.tool && python tests/no_such_script.py\n```\n\n"
-        "```yaml\n# not a heading\n```\n\n    python -m kneegate.benchmarks.soak --seconds 1\n"
+        "```yaml\n# not a heading\n```\n\n    python -m kneegate_bench.soak --seconds 1\n"
+        "    python -m kneegate.sim --seed 7 && python -m kneegate.benchmarks.simulate\n"
     )
     assert broken_links(doc) == ["missing.md: no such file", "#nowhere: no such heading"]
     assert missing_modules(doc) == [
-        "python -m kneegate.benchmarks.no_such_tool", "python tests/no_such_script.py"
+        "python -m kneegate_bench.no_such_tool", "python tests/no_such_script.py",
+        "python -m kneegate.benchmarks.simulate",
     ]
     assert wrong_commands(doc) == [
         "kneegate serve --no-such-flag: does not parse",
@@ -208,3 +220,21 @@ def test_the_benchmarks_reference_stays_a_reference() -> None:
     # docs/history/benchmarks.md (issue 45's bar: at most 500 lines)
     lines = (ROOT / "docs" / "benchmarks.md").read_text().count("\n")
     assert lines <= 500, f"docs/benchmarks.md has {lines} lines: move past runs to docs/history/"
+
+
+def _readme_commands() -> list[str]:
+    """The README's first shell block: install and run the demo, install and run the tests."""
+    return FENCE.findall((ROOT / "README.md").read_text())[0][1].strip().splitlines()
+
+
+def test_ci_runs_exactly_the_readmes_test_line() -> None:
+    demo, tests = _readme_commands()
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert ci[0] == tests
+    # and the root conftest.py names it to whoever runs pytest without the test extras
+    install = next(node.value for node in ast.parse((ROOT / "conftest.py").read_text()).body
+                   if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "INSTALL")
+    assert ast.literal_eval(install) == tests
+    # the demo and the tests both run the load tools: a distribution of their own, in bench/
+    assert " -e ./bench " in demo and " -e ./bench " in tests

@@ -1,36 +1,53 @@
-"""kneegate's floors only point down: controllers <- admission <- gateway <- benchmarks <- cli.
+"""kneegate's floors only point down: controllers <- admission <- gateway <- emulator <- sim
+<- cli, embedded; and the load tools, kneegate_bench (bench/, the kneegate-bench
+distribution), stand above them all.
 
 Read from the source with `ast`, nothing imported: every `import`, `from … import` (at the
 top of a module or inside a function, relative or absolute) and every
-`importlib.import_module("…")` with a literal name, in every module under kneegate/. A
-module may import its own floor and the floors below it, never one above.
+`importlib.import_module("…")` with a literal name, in every module under kneegate/ and
+bench/kneegate_bench/. A module may import its own floor and the floors below it, never one
+above. The one way up: `kneegate demo` and `kneegate sweep` run load tools, so the CLI may
+load the modules `LAZY_UP` names, only when a command asks (inside a function, or a name
+handed to a loader); no other module of kneegate names kneegate_bench at all, not even as a
+string a loader could import.
 
 Inside the gateway, its wings (config/, http/, upstream/, observability/, server/) point only
-the way `WINGS` draws them; no module imports one that imports it back, however far round
-and however lazily (in a function, under TYPE_CHECKING); and no module grows past
-`MAX_LINES`.
+the way `WINGS` draws them; no module of either package imports one that imports it back,
+however far round and however lazily (in a function, under TYPE_CHECKING); and no module
+grows past `MAX_LINES`.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kneegate"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kneegate"
+BENCH = ROOT / "bench" / "kneegate_bench"
 
-# the first name under kneegate. -> its floor; higher floors may import lower ones
+# a module's part (the first name under kneegate., or kneegate_bench) -> its floor; higher
+# floors may import lower ones
 FLOORS = {
     "controllers": 0,  # pure limit algorithms
     "admission": 1,  # the pure admission core
     "gateway": 2,  # the proxy's I/O
-    "benchmarks": 3,  # the emulator and the load tools
-    "cli": 4,  # the top floor: commands, the demo, the embedded engine
-    "embedded": 4,
-    "__main__": 4,
-    "__init__": 4,  # kneegate/__init__.py: a docstring
+    "emulator": 3,  # the vLLM emulator (served by the gateway's server code)
+    "sim": 4,  # the simulator: the admission core and the emulator's core in virtual time
+    "cli": 5,  # kneegate's top floor: commands, the embedded engine
+    "embedded": 5,
+    "__main__": 5,
+    "__init__": 5,  # kneegate/__init__.py: a docstring
+    "kneegate_bench": 6,  # the load tools, a distribution of their own: above all of kneegate
 }
+# what a module may load from a floor above it, only when asked: the CLI runs these load
+# tools for `kneegate demo` and `kneegate sweep`, and names their package to say how to
+# install it when it is missing
+LAZY_UP = {"kneegate.cli": {"kneegate_bench", "kneegate_bench.demo", "kneegate_bench.sweep"}}
+BENCH_NAME = re.compile(r"kneegate_bench(?:\.\w+)*")
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -48,43 +65,61 @@ def _from(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return base
 
 
-def _imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """(line, dotted name) of everything a module imports."""
+def _in_functions(tree: ast.AST) -> set[int]:
+    """The ids of the nodes inside a function: run when it is called, not at import."""
+    return {id(inner) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            for inner in ast.walk(node) if inner is not node}
+
+
+def _imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str, bool]]:
+    """(line, dotted name, lazy) of everything a module imports, and of every string that
+    names a module of kneegate_bench (a name for a loader); lazy: not at import time."""
     found = []
+    lazy = _in_functions(tree)
     for node in ast.walk(tree):
+        names: list[str] = []
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
+            names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = _from(node, module, is_package)
-            if _floor(base) is not None:
-                found.append((node.lineno, base))
-            else:  # `from kneegate import gateway` imports kneegate.gateway
-                found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+            # `from kneegate import gateway` imports kneegate.gateway
+            names = [base] if _part(base) is not None else [f"{base}.{a.name}"
+                                                            for a in node.names]
         elif (isinstance(node, ast.Call) and node.args
               and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
               and ast.unparse(node.func) in ("importlib.import_module", "import_module",
                                              "__import__")):
-            found.append((node.lineno, node.args[0].value))
+            names = [node.args[0].value]
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and BENCH_NAME.fullmatch(node.value)):
+            found.append((node.lineno, node.value, True))  # loaded, if at all, when called
+        found += [(node.lineno, name, id(node) in lazy) for name in names]
     return found
 
 
-def _floor(module: str) -> str | None:
+def _part(module: str) -> str | None:
     parts = module.split(".")
+    if parts[0] == "kneegate_bench":
+        return "kneegate_bench"
     if parts[0] != "kneegate" or len(parts) < 2:
         return None
     return parts[1] if parts[1] in FLOORS else None
 
 
 def violations(root: Path) -> list[str]:
-    """Each import under `root` (a kneegate/ folder) that points up a floor."""
+    """Each import under `root` (a kneegate/ or kneegate_bench/ folder) that points up a
+    floor, but for what `LAZY_UP` lets a module load when asked."""
     found = []
     for path in sorted(root.rglob("*.py")):
         module = _module_name(path, root)
-        own = _floor(module) or path.relative_to(root).parts[0].removesuffix(".py")
+        own = _part(module) or path.relative_to(root).parts[0].removesuffix(".py")
         tree = ast.parse(path.read_text(), str(path))
-        for line, name in _imported(tree, module, path.name == "__init__.py"):
-            target = _floor(name)
-            if target is not None and FLOORS[target] > FLOORS[own]:
+        for line, name, lazy in _imported(tree, module, path.name == "__init__.py"):
+            target = _part(name)
+            if target is None or FLOORS[target] <= FLOORS[own]:
+                continue
+            if not (lazy and name in LAZY_UP.get(module, set())):
                 found.append(f"{path.relative_to(root.parent)}:{line}: {own} imports {name}")
     return found
 
@@ -95,8 +130,17 @@ def test_every_part_of_the_package_has_a_floor() -> None:
     assert parts <= set(FLOORS), f"place {sorted(parts - set(FLOORS))} in FLOORS"
 
 
-def test_the_floors_only_point_down() -> None:
-    assert violations(PACKAGE) == []
+@pytest.mark.parametrize("root", [PACKAGE, BENCH], ids=["kneegate", "kneegate_bench"])
+def test_the_floors_only_point_down(root: Path) -> None:
+    assert violations(root) == []
+
+
+def test_the_load_tools_are_loaded_when_asked_and_named_nowhere_else() -> None:
+    loads = sorted({name for p in sorted(PACKAGE.rglob("*.py"))
+                    for _, name, _ in _imported(ast.parse(p.read_text()), _module_name(
+                        p, PACKAGE), p.name == "__init__.py")
+                    if _part(name) == "kneegate_bench"})
+    assert loads == sorted(LAZY_UP["kneegate.cli"])  # none is stale, none is new
 
 
 def test_the_check_sees_an_import_up_a_floor(tmp_path: Path) -> None:
@@ -108,25 +152,34 @@ def test_the_check_sees_an_import_up_a_floor(tmp_path: Path) -> None:
         "admission/__init__.py": "",
         "admission/queue.py": "from kneegate.controllers.base import Sample\n"
                               "def f():\n    from ..gateway import app\n",
-        "gateway/__init__.py": "from kneegate import benchmarks\n",
+        "gateway/__init__.py": "from kneegate import emulator\n",
         "gateway/app.py": "import importlib\nimportlib.import_module('kneegate.cli')\n",
-        "benchmarks/__init__.py": "from kneegate.gateway.app import build_app\n",
-        "benchmarks/tool.py": "from kneegate.embedded import emulator_app\n",
-        "cli.py": "import kneegate.benchmarks.simulate\n",
+        "emulator/__init__.py": "from kneegate.gateway.app import build_app\n",
+        "emulator/server.py": "from kneegate.sim.loop import run\n",
+        "sim/__init__.py": "def f():\n    import kneegate_bench.sweep\n",  # lazy, not cli
+        "sim/cli.py": "from kneegate.embedded import emulator_app\nTOOLS = ['kneegate_bench']\n",
+        "cli.py": "import kneegate.sim.cli\nfrom kneegate_bench.sweep import main\n"
+                  "def demo():\n    from kneegate_bench.demo import run_demo\n"
+                  "TOOLS = {'soak': 'kneegate_bench.soak', 'sweep': 'kneegate_bench.sweep'}\n",
     }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     assert violations(root) == [
         "kneegate/admission/queue.py:3: admission imports kneegate.gateway",
-        "kneegate/benchmarks/tool.py:1: benchmarks imports kneegate.embedded",
+        "kneegate/cli.py:2: cli imports kneegate_bench.sweep",  # at import time
+        "kneegate/cli.py:5: cli imports kneegate_bench.soak",  # not one LAZY_UP names
         "kneegate/controllers/aimd.py:1: controllers imports kneegate.admission.queue",
-        "kneegate/gateway/__init__.py:1: gateway imports kneegate.benchmarks",
+        "kneegate/emulator/server.py:1: emulator imports kneegate.sim.loop",
+        "kneegate/gateway/__init__.py:1: gateway imports kneegate.emulator",
         "kneegate/gateway/app.py:2: gateway imports kneegate.cli",
+        "kneegate/sim/__init__.py:2: sim imports kneegate_bench.sweep",
+        "kneegate/sim/cli.py:1: sim imports kneegate.embedded",
+        "kneegate/sim/cli.py:2: sim imports kneegate_bench",
     ]
 
 
-@pytest.mark.parametrize("floor", ["controllers", "admission", "gateway", "benchmarks"])
+@pytest.mark.parametrize("floor", ["controllers", "admission", "gateway", "emulator", "sim"])
 def test_each_floor_is_a_real_folder(floor: str) -> None:
     folder = PACKAGE / floor
     assert folder.is_dir() and not folder.is_symlink() and (folder / "__init__.py").exists()
@@ -150,10 +203,11 @@ BASE = {"errors", "types"}
 MAX_LINES = 400
 
 
-def module_graph(root: Path) -> dict[str, set[str]]:
-    """module -> the modules of the package it imports (at the top, in a function or under
-    TYPE_CHECKING alike): `from a.b import c` names a.b.c when that is a module, else a.b."""
-    paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+def module_graph(*roots: Path) -> dict[str, set[str]]:
+    """module -> the modules of the packages at `roots` it imports (at the top, in a function
+    or under TYPE_CHECKING alike): `from a.b import c` names a.b.c when that is a module, else
+    a.b."""
+    paths = {_module_name(p, root): p for root in roots for p in sorted(root.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
         is_package = path.name == "__init__.py"
@@ -236,7 +290,7 @@ def test_the_gateway_wings_point_only_where_drawn() -> None:
 
 
 def test_no_import_cycles() -> None:
-    assert cycles(module_graph(PACKAGE)) == []
+    assert cycles(module_graph(PACKAGE, BENCH)) == []
 
 
 def test_the_checks_see_a_cycle_and_a_wing_pointing_back(tmp_path: Path) -> None:
@@ -282,6 +336,6 @@ def _lines(path: Path) -> int:
 
 
 def test_no_module_over_max_lines() -> None:
-    over = {str(p.relative_to(PACKAGE.parent)): _lines(p) for p in sorted(PACKAGE.rglob("*.py"))
-            if _lines(p) > MAX_LINES}
+    over = {str(p.relative_to(ROOT)): _lines(p) for root in (PACKAGE, BENCH)
+            for p in sorted(root.rglob("*.py")) if _lines(p) > MAX_LINES}
     assert over == {}, f"split these by responsibility (at most {MAX_LINES} lines a module)"

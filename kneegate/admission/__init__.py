@@ -1,7 +1,7 @@
 """The pure admission core: admit now, queue, or shed. No I/O, no clocks, no asyncio.
 
 Time comes in as data (`now` on every call), so the gateway (real time, through
-`kneegate.gateway.gate`) and the simulator (`kneegate.benchmarks.simulate`, virtual time)
+`kneegate.gateway.gate`) and the simulator (`kneegate.sim`, virtual time)
 run this very code. It imports `kneegate.controllers` and nothing else of kneegate's.
 
     queue       AdmissionQueue: offer, release, tick, pump, expire; owns each upstream

@@ -25,7 +25,7 @@ rate itself. Below the knee's demand the completion rate is the arrival rate, so
 about N / L, the share of the limit's level in use (R grows with concurrency on the
 plateau, so below saturation it errs low by R(N) / R(L); the limit a `knee` controller
 holds when app-limited is lower than at overload, which errs the other way, and more).
-Measured in `benchmarks.simulate` against offered / what the engine serves held full: the
+Measured in `kneegate.sim` against offered / what the engine serves held full: the
 ratio reads the offered load within a few percent wherever the engine is held full, and
 errs high below capacity (docs/benchmarks.md, "The scale-out signal").
 

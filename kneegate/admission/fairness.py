@@ -77,7 +77,7 @@ class FairQueue:
     sorted list of the queued requests' tags, each its tenant's counter plus the work queued
     before it and its own when it was queued (an estimate: charges since then move the true
     order, the heap has it exact). With 100 tenants waiting a linear scan cost ~100 us a
-    request (`python -m kneegate.benchmarks.admission_cost`).
+    request (`python -m kneegate_bench.admission_cost`).
     """
 
     ledger: Ledger = field(init=False)  # the tenants' counters (`admission.ledger`)

@@ -34,7 +34,7 @@ against a minting client, from 0.01-0.06x (docs/experiments/2026-12-07-minted-ke
 
 Why the credit: a tenant asking for about its share, in random arrivals, empties its queue
 often, and the plain rule gives each such moment to whoever is always backlogged. In the
-simulator (benchmarks/scenarios/tenants-heavy-light.yaml, one tenant at 10x the rate of five
+simulator (kneegate/sim/scenarios/tenants-heavy-light.yaml, one tenant at 10x the rate of five
 others, 3x capacity) the plain rule left the lowest light tenant well under its fair share
 (each step: docs/history/benchmarks.md, "In the simulator (issue 15), 2026-12-01").
 Only a tenant with requests in flight gets it, so a flood of new API keys gets none.

@@ -1,7 +1,7 @@
 """Admission: admit now, queue, or shed. A pure state machine — no asyncio, no clock.
 
 Time comes in as `now` on every call, so the gateway (real time, through the thin
-async layer in `gateway.gate`) and `benchmarks.simulate` (virtual time) run this
+async layer in `gateway.gate`) and `kneegate.sim` (virtual time) run this
 very code.
 
     offer(ticket, now)  -> Admitted(upstream) | Queued | Rejected(reason, retry_after)

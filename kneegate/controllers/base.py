@@ -2,7 +2,7 @@
 
 A controller never reads a clock, sleeps, or does I/O. Time arrives as data
 (`Sample.admitted_at`, `on_tick(now)`), so the same object runs live in the
-gateway and in virtual time inside `benchmarks.simulate`.
+gateway and in virtual time inside `kneegate.sim`.
 
 `LimitController` is a template (Netflix's AbstractLimit): subclasses implement
 `_on_sample` / `_on_tick` and call `_set_limit`, which clamps to

@@ -1,6 +1,6 @@
 """The container image: built from the Dockerfile, configured by the environment alone, it
 serves a streamed answer from the emulator on this machine, its health check follows the
-configured port, and it carries no load tools.
+configured port, and it carries neither the emulator, the simulator nor the load tools.
 
 Opt-in: `pytest -m container` (root, buildah and debootstrap: `apt-get install -y debootstrap
 buildah`; ~2 min the first time, for the Debian base `base_image.sh` makes where no registry
@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kneegate.benchmarks.overhead import _free_port, _process
+from kneegate_bench.overhead import _free_port, _process
 
 pytestmark = pytest.mark.container
 
@@ -96,7 +96,7 @@ def _serving(container: str, env: dict[str, str]) -> Iterator[subprocess.Popen[b
 
 def test_the_image_serves_a_stream_configured_by_the_environment(container: str) -> None:
     engine_port, port = _free_port(), _free_port()
-    engine = [sys.executable, "-m", "kneegate.benchmarks.engine", "--port", str(engine_port),
+    engine = [sys.executable, "-m", "kneegate.emulator", "--port", str(engine_port),
               "--model-name", "tiny"]
     env = {"KNEEGATE_UPSTREAM": f"http://127.0.0.1:{engine_port}", "KNEEGATE_PORT": str(port)}
     with _process(engine, engine_port), _serving(container, env):
@@ -122,7 +122,8 @@ def test_the_image_serves_a_stream_configured_by_the_environment(container: str)
 
 def test_the_image_runs_as_its_user_and_carries_no_load_tools(container: str) -> None:
     code = ("import importlib.util as u, os; print(os.getuid(), [m for m in ('kneegate.gateway', "
-            "'kneegate.benchmarks', 'aiohttp', 'numpy', 'matplotlib') if u.find_spec(m)])")
+            "'kneegate.emulator', 'kneegate.sim', 'kneegate_bench', 'aiohttp', 'numpy', "
+            "'matplotlib') if u.find_spec(m)])")
     out = subprocess.run(_run(container, "python3", "-c", code), capture_output=True, text=True,
                          timeout=30, check=True)
     assert out.stdout.strip() == "10001 ['kneegate.gateway']"
@@ -133,5 +134,5 @@ def test_the_image_without_an_upstream_says_so_in_one_line(container: str) -> No
                          timeout=30)
     assert out.returncode != 0
     assert ("none named, and the built-in emulator is not installed here (an install without "
-            "the load tools, as the container image): give one with --upstream URL or "
+            "it, as the container image): give one with --upstream URL or "
             "KNEEGATE_UPSTREAM") in out.stderr

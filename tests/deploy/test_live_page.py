@@ -1,6 +1,6 @@
 """The live page in a real browser (issue 14): opt-in, `pytest -m browser tests/deploy`.
 
-The emulator (`python -m kneegate.benchmarks.engine --profile cpu-tiny`, at a quarter of real
+The emulator (`python -m kneegate.emulator --profile cpu-tiny`, at a quarter of real
 time so
 the event rate stays low on a small machine) behind the gateway (`python -m kneegate serve`,
 the `knee` controller, an admin token), under a closed loop of clients bounded in requests
@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kneegate.benchmarks.arms import _child
-from kneegate.benchmarks.overhead import _free_port
+from kneegate_bench.arms import _child
+from kneegate_bench.overhead import _free_port
 
 pytestmark = pytest.mark.browser
 
@@ -160,7 +160,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     ep, gp = _free_port(), _free_port()
     cfg = tmp_path_factory.mktemp("live") / "kneegate.yaml"
     cfg.write_text(CONFIG.format(token=TOKEN, port=ep))
-    engine = [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", "cpu-tiny",
+    engine = [sys.executable, "-m", "kneegate.emulator", "--profile", "cpu-tiny",
               "--speed", "0.25", "--port", str(ep)]
     gateway = [sys.executable, "-m", "kneegate", "serve", "--config", str(cfg),
                "--port", str(gp)]
@@ -310,7 +310,7 @@ def pools_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with contextlib.ExitStack() as stack:
         for model, port in ports.items():
             stack.enter_context(_child(
-                [sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", "cpu-tiny",
+                [sys.executable, "-m", "kneegate.emulator", "--profile", "cpu-tiny",
                  "--speed", "0.25", "--model-name", model, "--port", str(port)], port))
         stack.enter_context(_child(
             [sys.executable, "-m", "kneegate", "serve", "--config", str(cfg), "--port",

@@ -6,7 +6,7 @@ Debian's `prometheus` package carries both (`apt-get install prometheus`; its se
 used: the test starts the binary itself). Without them the tier skips.
 
 One Prometheus (temporary config and storage, loopback, 1 s scrapes and rule evaluations,
-the rules loaded) scrapes the emulator (`python -m kneegate.benchmarks.engine --profile
+the rules loaded) scrapes the emulator (`python -m kneegate.emulator --profile
 cpu-tiny`) and
 a gateway in front of it, configured small (a limit of at most 6, a queue of 12, tight
 objectives) while a bounded load of streamed requests from two classes overruns it: queueing,
@@ -44,7 +44,7 @@ from helpers.deploy import (
     variable_metrics,
 )
 
-from kneegate.benchmarks.overhead import _free_port
+from kneegate_bench.overhead import _free_port
 
 pytestmark = [
     pytest.mark.prometheus,
@@ -196,7 +196,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prom_cmd = ["prometheus", f"--config.file={prom_config}", f"--storage.tsdb.path={tmp / 'data'}",
                 f"--web.listen-address=127.0.0.1:{pp}"]
     with (
-        _process([sys.executable, "-m", "kneegate.benchmarks.engine", "--profile", "cpu-tiny",
+        _process([sys.executable, "-m", "kneegate.emulator", "--profile", "cpu-tiny",
                   "--port", str(ep)], tmp / "engine.log", f"http://127.0.0.1:{ep}/health"),
         _process([sys.executable, "-m", "kneegate", "serve", "--config", str(config)],
                  tmp / "kneegate.gateway.log", gateway + "/ready"),

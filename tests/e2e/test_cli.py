@@ -142,7 +142,7 @@ async def test_serve_warns_once_when_the_api_port_shows_the_admin_endpoints() ->
 
 
 async def test_serve_without_upstream_embeds_the_emulator() -> None:
-    pytest.importorskip("kneegate.benchmarks.engine.server")
+    pytest.importorskip("kneegate.emulator.server")
     async with httpx.AsyncClient(timeout=10) as client:
         with kneegate() as (proc, url):
             await until_up(client, url, proc)
@@ -166,17 +166,20 @@ def test_the_gateway_floor_never_loads_the_load_tools() -> None:
     code = ("import importlib, pkgutil, sys, kneegate.gateway, kneegate.cli; "
             "[importlib.import_module(m.name) for m in "
             "pkgutil.walk_packages(kneegate.gateway.__path__, 'kneegate.gateway.')]; "
-            "print(sorted(m for m in sys.modules if m.startswith('kneegate.benchmarks')), "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kneegate_bench', "
+            "'aiohttp') or m.startswith(('kneegate.emulator', 'kneegate.sim'))), "
             "sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('gateway', 'controllers', 'benchmarks')))")
+            "('gateway', 'controllers', 'admission', 'emulator', 'sim')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[] []"  # nor any module under a second, bare name
 
 
-@pytest.mark.parametrize("tool", ["engine", "sweep", "simulate"])
-def test_benchmark_tools_are_reached_lazily(tool: str) -> None:
-    pytest.importorskip(f"kneegate.benchmarks.{'engine.server' if tool == 'engine' else tool}")
+@pytest.mark.parametrize(("tool", "module"), [("engine", "kneegate.emulator.server"),
+                                             ("sweep", "kneegate_bench.sweep"),
+                                             ("simulate", "kneegate.sim.cli")])
+def test_the_tools_are_reached_lazily(tool: str, module: str) -> None:
+    pytest.importorskip(module)
     out = subprocess.run([sys.executable, "-m", "kneegate", tool, "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "usage:" in out.stdout
@@ -225,15 +228,22 @@ def test_a_config_file_that_is_not_there_is_one_line() -> None:
                              "read: No such file or directory")
 
 
-def test_a_command_that_needs_the_bench_extra_says_how_to_install_it() -> None:
-    # aiohttp made unimportable, as in an install without the extra
-    code = ("import sys; sys.modules['aiohttp'] = None; from kneegate.cli import main; "
-            "sys.exit(main(['demo']))")
+@pytest.mark.parametrize(("missing", "argv"), [
+    ("kneegate_bench", ["demo"]),
+    ("kneegate_bench", ["sweep", "--url", "http://127.0.0.1:9", "--levels", "1"]),
+    ("aiohttp", ["demo"]),  # kneegate-bench's own dependency
+])
+def test_a_load_tool_without_kneegate_bench_says_how_to_install_it(
+    missing: str, argv: list[str]
+) -> None:
+    # made unimportable, as in an install of kneegate alone
+    code = (f"import sys; sys.modules[{missing!r}] = None; from kneegate.cli import main; "
+            f"sys.exit(main({argv!r}))")
     out = run_cli(code=code)
     assert out.returncode == 2
-    line = one_line(out)
-    assert line.startswith("kneegate demo needs the bench extra (aiohttp is not installed)")
-    assert "pip install 'kneegate[bench]'" in line
+    assert one_line(out) == (
+        f"kneegate {argv[0]} needs the load tools, the kneegate-bench distribution ({missing} "
+        "is not installed): in a clone of kneegate, pip install -e ./bench")
 
 
 def test_the_extra_modules_are_the_extras() -> None:
@@ -245,7 +255,9 @@ def test_the_extra_modules_are_the_extras() -> None:
                 for r in importlib.metadata.requires("kneegate") or []
                 if r.replace(" ", "").endswith(marker)}
 
-    assert extra("bench") == {m for m, e in EXTRA_MODULES.items() if e == "bench"}
+    extras = set(importlib.metadata.metadata("kneegate").get_all("Provides-Extra") or [])
+    assert set(EXTRA_MODULES.values()) <= extras
+    assert "bench" not in extras  # the load tools are kneegate-bench, a distribution of its own
     assert extra("plots") == {m for m, e in EXTRA_MODULES.items() if e == "plots"}
 
 
@@ -259,17 +271,24 @@ def test_a_picture_without_the_plots_extra_says_how_to_install_it() -> None:
 
 
 def test_without_the_load_tools_the_demo_and_an_unnamed_upstream_are_one_line() -> None:
-    # as in the container image, which leaves kneegate/benchmarks out
-    gone = "import sys; sys.modules['kneegate.benchmarks'] = None; from kneegate.cli import main; "
+    # as in the container image, which leaves the emulator, the simulator and the load tools out
+    gone = ("import sys; sys.modules.update(dict.fromkeys(('kneegate_bench', 'kneegate.emulator', "
+            "'kneegate.sim'))); from kneegate.cli import main; ")
     demo = run_cli(code=gone + "sys.exit(main(['demo']))")
     assert demo.returncode == 2
-    assert one_line(demo).startswith("kneegate demo needs the load tools, which this install "
-                                     "leaves out")
+    assert one_line(demo).startswith("kneegate demo needs the load tools, the kneegate-bench "
+                                     "distribution")
+    for command, part in [("engine", "the emulator"), ("simulate", "the simulator")]:
+        out = run_cli(code=gone + f"sys.exit(main([{command!r}, '--help']))")
+        assert out.returncode == 2
+        assert one_line(out) == (
+            f"kneegate {command} needs {part}, which this install leaves out (the container "
+            "image does): run it from a clone or a pip install of kneegate")
     serve = run_cli(code=gone + f"sys.exit(main(['serve', '--port', '{free_port()}']))")
     assert serve.returncode == 2
     assert one_line(serve) == (
         "kneegate: invalid config: command line: upstreams: none named, and the built-in "
-        "emulator is not installed here (an install without the load tools, as the container "
+        "emulator is not installed here (an install without it, as the container "
         "image): give one with --upstream URL or KNEEGATE_UPSTREAM")
 
 

@@ -140,7 +140,7 @@ def test_scrape_unset_is_detected_true_forces_false_turns_off() -> None:
 
 
 async def test_the_emulators_vllm_metrics_are_detected_and_scraped() -> None:
-    engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
+    engine_server = pytest.importorskip("kneegate.emulator.server")
     async with serve(engine_server.build_app("cpu-tiny")) as up:
         cfg = parse_config({**FAST, "upstreams": [
             {"name": "e0", "url": up, "scrape_interval": 0.05}]})

@@ -18,7 +18,7 @@ from kneegate.gateway.app import KneegateApp, build_app
 
 pytestmark = pytest.mark.anyio
 
-engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
+engine_server = pytest.importorskip("kneegate.emulator.server")
 
 
 @contextlib.asynccontextmanager

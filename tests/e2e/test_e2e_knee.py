@@ -29,10 +29,10 @@ from helpers.gateway import gw_config, scrape, serve, total
 from kneegate.gateway.app import build_app
 
 # slow: 15 s of wall clock on a shared machine (about 1 run in 6 flaked); the same scenario
-# in virtual time is tests/benchmarks/test_knee_slowdown_sim.py, in the default suite
+# in virtual time is tests/sim/test_knee_slowdown_sim.py, in the default suite
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
+engine_server = pytest.importorskip("kneegate.emulator.server")
 
 CLIENTS = 24
 MAX_REQUESTS = 4000  # the loop's request cap; its time cap is the test's fail_after

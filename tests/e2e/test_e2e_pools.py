@@ -19,7 +19,7 @@ from kneegate.gateway.config.gateway import parse_config
 
 pytestmark = pytest.mark.anyio
 
-engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
+engine_server = pytest.importorskip("kneegate.emulator.server")
 
 
 def config(engines: dict[str, str], **extra: Any) -> Any:

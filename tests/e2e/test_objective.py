@@ -120,7 +120,7 @@ def _two(full: str, free: str) -> dict[str, object]:
 
 
 async def test_a_request_the_engines_valve_refuses_goes_to_another_upstream() -> None:
-    from kneegate.benchmarks.engine.server import build_app as emulator
+    from kneegate.emulator.server import build_app as emulator
 
     req = {"model": "cpu-tiny", "prompt": "hi", "max_tokens": 2}
     async with serve(emulator(max_num_queued_reqs=0)) as full, serve(emulator()) as free:
@@ -141,7 +141,7 @@ async def test_with_nowhere_else_a_refused_request_waits_at_the_head_of_its_queu
     """An engine that takes one request at a time refuses the others; kneegate, its limit
     set too high by hand, puts them back in its queue (the refusing engine has no room
     until one of its requests ends) and every user is served."""
-    from kneegate.benchmarks.engine.server import build_app as emulator
+    from kneegate.emulator.server import build_app as emulator
 
     req = {"model": "cpu-tiny", "prompt": "hi", "max_tokens": 4}
     async with serve(emulator(max_num_queued_reqs=1)) as one:
@@ -166,7 +166,7 @@ async def test_a_refusal_stands_once_the_objective_has_passed() -> None:
     """Refused past its objective, the engine's own 503 is relayed unchanged; refused
     before it, the request waits at the head of the queue, is retried (an idle refusing
     engine once a tick) and, still refused at its objective, told 503 with Retry-After."""
-    from kneegate.benchmarks.engine.server import build_app as emulator
+    from kneegate.emulator.server import build_app as emulator
 
     req = {"model": "cpu-tiny", "prompt": "hi", "max_tokens": 2}
     async with serve(emulator(max_num_queued_reqs=0)) as full:  # refuses everything

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))  # vllm_server, also for benchmarks.calibrate_vllm's --start
+sys.path.insert(0, str(HERE))  # vllm_server, also for kneegate_bench.calibrate_vllm's --start
 
 from vllm_server import HOME, MAX_MODEL_LEN, VllmServer, running_vllm  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 One test, three measurements of the same engine with the same load (prompts of 128 tokens,
 64 output tokens, ignore_eos, streaming, closed loop):
-1. a sweep direct to vLLM at 1, 2, 4, ..., 64 clients (benchmarks.calibrate_vllm's timing:
+1. a sweep direct to vLLM at 1, 2, 4, ..., 64 clients (kneegate_bench.calibrate_vllm's timing:
    about three request lifetimes measured per level), its knee by the operators' 5% rule
    and its knee region: the levels where throughput climbs from 2/3 of its peak to 90% of
    it (the bend; the 5% rule's knee moves between neighbouring levels from run to run);
@@ -52,11 +52,11 @@ import pytest
 from helpers.gateway import serve
 from vllm_server import VllmServer
 
-from kneegate.benchmarks.calibrate_vllm import RealPoint, knee_of, sweep_engine
-from kneegate.benchmarks.loadgen import LoadConfig, closed_loop
 from kneegate.controllers.base import Sample
 from kneegate.gateway.app import KneegateApp, build_app
 from kneegate.gateway.config.gateway import parse_config
+from kneegate_bench.calibrate_vllm import RealPoint, knee_of, sweep_engine
+from kneegate_bench.loadgen import LoadConfig, closed_loop
 
 # slow as well: a 6.5-minute load whose shape assertions ride on a noisy 2-core machine.
 # `pytest -m real_vllm` runs it with the rest of the tier; CI runs the tier without it.

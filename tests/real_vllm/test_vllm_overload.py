@@ -1,7 +1,7 @@
 """At 3x its capacity, real vLLM's users get at least twice the goodput through kneegate
 untuned as they get direct, judged by the user's clock (issue 12).
 
-`benchmarks.overload` against the tier's vLLM: its capacity measured first (closed loop, 64
+`kneegate_bench.overload` against the tier's vLLM: its capacity measured first (closed loop, 64
 streams, 15 s after 15 s unmeasured: at 64 streams a request lives ~15 s, and a fresh
 vLLM's first ones are slower still; after 2 s, alone, it read 70 tokens/s where the engine
 serves ~260, so "3x" was 0.8x and direct met it), then Poisson arrivals at 3x that for 60 s
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 from vllm_server import VllmServer
 
-from kneegate.benchmarks.overload import parser, run
+from kneegate_bench.overload import parser, run
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
 

@@ -19,8 +19,8 @@ import pytest
 from helpers.gateway import gw_config, scrape, serve, total, until
 from vllm_server import VllmServer
 
-from kneegate.benchmarks.openloop import late_ticks
 from kneegate.gateway.app import build_app
+from kneegate_bench.openloop import late_ticks
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.anyio]
 

@@ -1,6 +1,6 @@
 """vLLM's CPU build for the real-vLLM tier and its calibration: environment, model, server.
 
-Used by tests/real_vllm/conftest.py and by `python -m kneegate.benchmarks.calibrate_vllm --start`;
+Used by tests/real_vllm/conftest.py and by `python -m kneegate_bench.calibrate_vllm --start`;
 `python tests/real_vllm/vllm_server.py` starts the tier's vLLM, prints its URL and stops it
 on Ctrl-C or SIGTERM.
 The environment lives in $KNEEGATE_VLLM_HOME (default ~/.cache/kneegate/vllm-0.32.0) and is

@@ -34,7 +34,7 @@ def over_objective(w: Summary, cfg: KneeConfig, ramped: bool, moved_up: bool) ->
     outlasts a window, and windows closed on the engine's scrapes alone would hold the
     limit the windows with answers cut. Not in the other windows, where requests still
     prefilling read it high. Measured: docs/design/knee.md, "Windows"
-    (tests/benchmarks/test_knee_slowdown_sim.py)."""
+    (tests/sim/test_knee_slowdown_sim.py)."""
     c = cfg
     tpot = w.tpot_p50
     if tpot is None and w.saturated >= c.saturation and not (moved_up or ramped):
@@ -82,7 +82,7 @@ def stalled(w: Summary, cfg: KneeConfig, curve: Curve, moved: bool) -> bool:
     more than `change`: the engine changed within the window, whose means still read it
     as it was. No growth on them: a limit doubled into a slowdown admits requests whose
     samples, admitted before the cuts that follow, measure nothing for a while
-    (tests/benchmarks/test_knee_slowdown_sim.py). Measured: docs/design/knee.md, "Regions"
+    (tests/sim/test_knee_slowdown_sim.py). Measured: docs/design/knee.md, "Regions"
     (Linear)."""
     if moved or w.engine_last is None:
         return False
@@ -96,7 +96,7 @@ def unproven(w: Summary, cfg: KneeConfig) -> bool:
     nothing shows the engine keeps up, so the limit holds (a cut still needs a window
     `over_objective` judges). Neither `over_objective` (the engine's in-flight rose
     through it) nor `stalled` (the window after a move) reads such a window, and one
-    after a slowdown's cut doubled the limit (tests/benchmarks/test_knee_slowdown_sim.py)."""
+    after a slowdown's cut doubled the limit (tests/sim/test_knee_slowdown_sim.py)."""
     return (w.samples == 0 and w.engine_tpot is not None
             and w.engine_tpot > cfg.tpot_objective)
 

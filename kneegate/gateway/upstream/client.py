@@ -5,7 +5,7 @@ on httpx's own transport relayed 32 of 192 offered requests/s at 256 concurrent 
 (httpcore's pool does work growing with the square of its size at each request start and
 release); on aiohttp's client it kept up at 256, but at 1024 realistic streams (~50k
 events/s) a kneegate built on aiohttp reached 0.55x direct at 100% of its core (measured
-with `python -m kneegate.benchmarks.overhead --shapes realistic --concurrency 1024`), and
+with `python -m kneegate_bench.overhead --shapes realistic --concurrency 1024`), and
 profiling showed about a third of the time in aiohttp's per-chunk stream machinery. What
 a relay needs is small: write one request, parse the response with httptools' C parser,
 hand over whatever body bytes are buffered as one chunk, keep connections alive. That is

@@ -275,7 +275,7 @@ def test_serve_says_when_its_engine_does_not_answer_at_start() -> None:
 
 @pytest.mark.anyio
 async def test_access_lines_through_the_emulator(json_log: io.StringIO) -> None:
-    engine_server = pytest.importorskip("kneegate.benchmarks.engine.server")
+    engine_server = pytest.importorskip("kneegate.emulator.server")
     chat = {"model": "cpu-tiny", "max_tokens": 16, "stream": True,
             "messages": [{"role": "user", "content": PROMPT}]}
     completion = {"model": "cpu-tiny", "max_tokens": 16, "stream": True, "prompt": PROMPT}

@@ -192,7 +192,7 @@ async def test_ctrl_c_drains_every_worker() -> None:
 
 
 async def test_sighup_keeps_the_embedded_engine_with_workers() -> None:
-    pytest.importorskip("kneegate.benchmarks.engine.server")
+    pytest.importorskip("kneegate.emulator.server")
     req = {"model": "cpu-tiny", "prompt": "hi", "max_tokens": 2}
     async with httpx.AsyncClient(timeout=5) as client:
         with kneegate("--workers", "2") as (proc, url):

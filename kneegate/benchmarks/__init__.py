@@ -1,1 +1,0 @@
-"""Everything that generates or judges load: emulator, load generator, sweep, simulator."""

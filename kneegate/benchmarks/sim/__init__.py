@@ -1,2 +1,0 @@
-"""The simulator's parts: scenarios, the true knee, one run, goodput, the oracle, judging,
-the report and tenants. `python -m kneegate.benchmarks.simulate` runs them."""
