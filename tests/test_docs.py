@@ -222,6 +222,13 @@ def test_the_benchmarks_reference_stays_a_reference() -> None:
     assert lines <= 500, f"docs/benchmarks.md has {lines} lines: move past runs to docs/history/"
 
 
+def test_the_readme_stays_short() -> None:
+    # what kneegate is, the two commands, the first steps and pointers (issue 45: ~12 KB);
+    # the detail lives in docs/
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= 12_000, f"README.md is {size} bytes: move detail to docs/"
+
+
 def _readme_commands() -> list[str]:
     """The README's first shell block: install and run the demo, install and run the tests."""
     return FENCE.findall((ROOT / "README.md").read_text())[0][1].strip().splitlines()
