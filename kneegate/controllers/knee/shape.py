@@ -83,10 +83,9 @@ class Shape:
         Why the gap: the climb measures every level on its way up, one step past the
         highest measured, so a breach lies within a step or two of a good level. A good
         level further under it was not measured on the way there: the mean of windows in
-        which bursts left the engine idle (0.2 requests on the code trace), or one from
-        before a slow start's doublings. It says nothing of the levels between, and as
-        the ceiling it took a breach at 15 to a limit of 1. Measured:
-        docs/experiments/2026-12-07-ceiling-gap.md."""
+        which bursts left the engine idle between them, or one from before a slow start's
+        doublings. It says nothing of the levels between, and as the ceiling it took one
+        breach to a limit of 1. Measured: docs/experiments/2026-12-07-ceiling-gap.md."""
         bad = [p.concurrency for p in self.points.values() if p.over_objective]
         if not bad:
             return math.inf
