@@ -11,6 +11,11 @@ rendered one after another (each a 16-byte role header, then its content padded 
 multiple of 4 bytes), then 12 bytes opening the assistant turn, so that the stream's length is
 the count above — cut into blocks of `block_size` tokens; each full block's key hashes the
 block with the key before it, so equal keys mean equal prefixes (vLLM's block hash chain).
+`POST /tokenize` (vLLM's, `tokenize`) answers the same stream as token ids, one per token
+(a 31-bit CRC of its 4 bytes; a token-id prompt as is): as many as the count above, the same
+in every emulator, and a conversation's next turn begins with its last turn's ids up to the
+assistant turn's opening, as a chat template's do. A router that matches prefixes by token
+ids (vllm-router's cache-aware policy asks every engine for them) sees what vLLM would show.
 Output text is filler: token i (1-based) is " tok{i}", one token each, so a client that
 counts words counts tokens.
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +46,7 @@ __all__ = [
     "queue_full",
     "text_prompt_tokens",
     "token_text",
+    "tokenize",
 ]
 
 _MESSAGE_OVERHEAD = 4  # role + separators per chat message (ChatML-like templates)
@@ -142,18 +149,7 @@ def parse_request(
 
 def prefix_block_keys(body: dict[str, Any], chat: bool, block_size: int) -> tuple[int, ...]:
     """The prefix-cache key of every full block of a validated request's prompt."""
-    stream: bytes | list[int]
-    width = 4  # bytes per emulated token
-    if chat:
-        stream = b"".join(_rendered(m) for m in body["messages"]) + b"\0" * 12
-    else:
-        prompt = body["prompt"]
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            stream = prompt.encode()
-        else:
-            stream, width = prompt, 1
+    stream, width = _token_stream(body, chat)
     step = block_size * width
     keys: list[int] = []
     key = 0
@@ -162,6 +158,45 @@ def prefix_block_keys(body: dict[str, Any], chat: bool, block_size: int) -> tupl
         key = hash((key, chunk if isinstance(chunk, bytes) else tuple(chunk)))
         keys.append(key)
     return tuple(keys)
+
+
+def tokenize(raw: bytes, *, served_model: str, max_model_len: int) -> dict[str, Any]:
+    """vLLM's `POST /tokenize` (its TokenizeCompletionRequest, `prompt`, or TokenizeChatRequest,
+    `messages`, with `add_generation_prompt` true unless set false): the body of its
+    TokenizeResponse, `{"count", "max_model_len", "tokens", "token_strs"}`; raise ApiError as
+    the completion routes would (404 for another model, 400 for a body without a prompt)."""
+    body = _json_object(raw)
+    model = body.get("model") or served_model
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    chat = "messages" in body
+    if chat:  # validates the prompt as parse_request does
+        _chat_prompt(body)
+    else:
+        _completion_prompt(body)
+    opening = body.get("add_generation_prompt", True) is not False
+    stream, _ = _token_stream(body, chat, opening)
+    if isinstance(stream, list):
+        ids = stream
+    else:
+        ids = [zlib.crc32(stream[i : i + 4]) & 0x7FFF_FFFF for i in range(0, len(stream), 4)]
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+            "token_strs": None}
+
+
+def _token_stream(body: dict[str, Any], chat: bool,
+                  generation_prompt: bool = True) -> tuple[bytes | list[int], int]:
+    """A validated request's prompt as the emulator's token stream and its width (bytes per
+    token: 4 for text and chat, 1 for a list of token ids, one item each)."""
+    if chat:
+        opening = b"\0" * (4 * _ASSISTANT_PRIMING) if generation_prompt else b""
+        return b"".join(_rendered(m) for m in body["messages"]) + opening, 4
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt.encode(), 4
+    return list(prompt), 1
 
 
 def _rendered(message: dict[str, Any]) -> bytes:

@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   streaming (SSE) or not
     GET  /v1/models (with max_model_len), /health, /version, /metrics
+    POST /tokenize                                vLLM's: a prompt's token ids (protocol.tokenize)
     POST /admin/slowdown {"factor": 2.0}          multiply step times (halve capacity)
 
 `build_app(profile, speed=...)` runs the core in real time (`speed` < 1 is slower than real
@@ -51,6 +52,7 @@ from kneegate.emulator.protocol import (
     error_body,
     parse_request,
     queue_full,
+    tokenize,
 )
 
 __all__ = ["EMULATOR_VERSION", "build_app"]
@@ -152,6 +154,13 @@ def build_app(
     async def slowdown(request: Request) -> Response:
         return await _slowdown(state, request)
 
+    async def tokenize_route(request: Request) -> Response:
+        try:
+            return JSONResponse(tokenize(await request.body(), served_model=state.model_name,
+                                         max_model_len=state.profile.max_model_len))
+        except ApiError as err:
+            return JSONResponse(error_body(err), status_code=err.status)
+
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -159,6 +168,7 @@ def build_app(
         Route("/health", health),
         Route("/version", version),
         Route("/metrics", metrics),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/admin/slowdown", slowdown, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -107,6 +107,37 @@ def test_models_health_version(emulator) -> None:
     assert "version" in httpx.get(f"{url}/version").json()
 
 
+def test_tokenize_answers_vllms_shape_with_as_many_ids_as_the_prompt_counts(emulator) -> None:
+    """vLLM's POST /tokenize, as vllm-router's cache-aware policy asks every engine: the ids
+    number what the completion's usage counts, and a conversation's next turn begins with
+    its last turn's ids (the router matches those prefixes)."""
+    url, _ = emulator
+    turn1 = [{"role": "system", "content": "be brief " * 30}, {"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hello there"},
+             {"role": "user", "content": "and then?"}]
+    t1 = httpx.post(f"{url}/tokenize", json={"model": "cpu-tiny", "messages": turn1}).json()
+    t2 = httpx.post(f"{url}/tokenize", json={"messages": turn2}).json()
+    assert set(t1) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert t1["max_model_len"] == 2048 and t1["count"] == len(t1["tokens"])
+    usage = client(url).chat.completions.create(model="cpu-tiny", messages=turn1,  # type: ignore[arg-type]
+                                                max_tokens=1).usage
+    assert usage is not None and t1["count"] == usage.prompt_tokens
+    opening = 3  # the assistant turn the template opens ends turn 1's ids, not turn 2's
+    assert t2["tokens"][: t1["count"] - opening] == t1["tokens"][:-opening]
+    assert t2["tokens"][t1["count"] - opening] != t1["tokens"][-opening]
+    assert all(0 <= t < 2**31 for t in t2["tokens"])
+    no_opening = httpx.post(f"{url}/tokenize", json={"messages": turn1,
+                                                     "add_generation_prompt": False}).json()
+    assert no_opening["tokens"] == t1["tokens"][:-opening]
+    text = httpx.post(f"{url}/tokenize", json={"prompt": "abcdefghi"}).json()
+    assert text["count"] == 3 and text["tokens"][0] != text["tokens"][1]
+    assert httpx.post(f"{url}/tokenize", json={"prompt": [7, 8, 9]}).json()["tokens"] == [7, 8, 9]
+    other = httpx.post(f"{url}/tokenize", json={"model": "gpt-9", "prompt": "hi"})
+    assert other.status_code == 404 and "does not exist" in other.json()["error"]["message"]
+    empty = httpx.post(f"{url}/tokenize", json={"model": "cpu-tiny"})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"
+
+
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [
