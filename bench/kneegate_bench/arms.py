@@ -14,14 +14,17 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kneegate_bench.openloop import fetch_metrics, metric_totals
 from kneegate_bench.overhead import _free_port, _process
 from kneegate_bench.peers import Peer, parse_peer
 from kneegate_bench.peers import serving as peer_serving
 
-__all__ = ["ARMS", "Arm", "engine_command", "engine_holds", "gateway_command", "parse_arms",
-           "valve_sizes"]
+__all__ = ["ARMS", "TINY_VOCAB", "Arm", "engine_command", "engine_holds", "gateway_command",
+           "parse_arms", "valve_sizes", "vllm_if_asked"]
+
+TINY_VOCAB = 4096  # the real-vLLM tier's tiny model's vocabulary (tests/real_vllm/make_model.py)
 
 
 ARMS = ("direct", "valve", "kneegate", "kneegate-w2", "kneegate-fixed")
@@ -121,6 +124,21 @@ def engine_holds(url: str) -> float | None:
         return None
     series = [totals.get(f"vllm:num_requests_{s}") for s in ("running", "waiting")]
     return None if None in series else sum(x or 0.0 for x in series)
+
+
+@contextlib.contextmanager
+def vllm_if_asked(args: Any) -> Iterator[None]:
+    """With `--start-vllm` (`args.start_vllm`), the real-vLLM tier's vLLM (CPU build, tiny
+    model, tests/real_vllm/vllm_server.py) for the block: `args.upstream` is set to it and
+    `args.model` to its served name unless given. Without it, nothing."""
+    if not getattr(args, "start_vllm", False):
+        yield
+        return
+    from kneegate_bench.calibrate_vllm import _started_vllm
+
+    with _started_vllm() as url:
+        args.upstream, args.model = url, args.model or "tiny"
+        yield
 
 
 @contextlib.contextmanager

@@ -14,6 +14,10 @@ Columns, per arm: requests served within `--objective` (2) s of sending (first t
 that count over the direct arm's in the same round, refusals (not 200) and the TTFT p99 from
 send of those that got a first token. Medians over `--rounds` of the ratio taken within each
 round. The goal (issue 43): kneegate >= 0.95 of direct at 32 and at 64 clients.
+
+`--start-vllm` (or `--upstream URL` for a running engine) measures in front of real vLLM
+instead: one engine, started once and kept warm, shared by every cell (each waits for it to
+go idle); only the gateway starts cold. The goal there: 16 clients, >= 0.95 of direct.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections import Counter
 
 import aiohttp
 
-from kneegate_bench.arms import Arm, _serving
+from kneegate_bench.arms import Arm, _serving, vllm_if_asked
 from kneegate_bench.figures import _pct
 from kneegate_bench.openloop import Record, _Client
 
@@ -78,10 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--give-up", type=float, default=20.0)
     ap.add_argument("--request-timeout", type=float, default=60.0)
     ap.add_argument("--profile", default="cpu-tiny")
+    ap.add_argument("--upstream", help="a running engine, shared by the cells, instead of a "
+                    "fresh emulator per cell")
+    ap.add_argument("--start-vllm", action="store_true",
+                    help="start the real-vLLM tier's vLLM (CPU build, tiny model; a source "
+                    "checkout) and use it as --upstream")
     ap.add_argument("--model")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.upstream and args.start_vllm:
+        raise SystemExit("--upstream or --start-vllm, not both")
+    with vllm_if_asked(args):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     arms = {"direct": Arm("direct"), "kneegate": Arm("kneegate", gateway_flags=())}
     print(f"{'clients':>7} {'round':>5} {'arm':<9} {'sent':>5} {'good':>5} {'/direct':>7} "
           f"{'refused':>7} {'TTFT p99 ms':>11}", flush=True)
@@ -90,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             direct_good: int | None = None
             for name in (n.strip() for n in args.arms.split(",")):
-                with _serving(arms[name], args.profile) as url:
+                with _serving(arms[name], args.profile, args.upstream) as url:
                     cell = _cell(asyncio.run(run_loop(url, args, clients)), args.objective)
                 good = int(cell["good"] or 0)
                 if name == "direct":

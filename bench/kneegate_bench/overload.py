@@ -105,6 +105,7 @@ from kneegate_bench.arms import (
     _serving,
     parse_arms,
     valve_sizes,
+    vllm_if_asked,
 )
 from kneegate_bench.figures import (
     _COLS,
@@ -177,13 +178,8 @@ class Report:
 
 def run(args: argparse.Namespace) -> Report:
     """The whole benchmark: capacity first, then every (arm, load) cell; prints the table."""
-    if args.start_vllm:  # one vLLM for the plain arms; each valve arm starts its own
-        from kneegate_bench.calibrate_vllm import _started_vllm
-
-        with _started_vllm() as url:
-            args.upstream, args.model = url, args.model or "tiny"
-            return _run(args)
-    return _run(args)
+    with vllm_if_asked(args):  # one vLLM for the plain arms; each valve arm starts its own
+        return _run(args)
 
 
 def _run(args: argparse.Namespace) -> Report:

@@ -38,6 +38,11 @@ Columns (each user's times from the moment it sent its request):
   TTFT p50/p99  from send, of the users who got a first token
   by size    refused / sent per prompt-size bucket (tokens, after capping)
 
+`--start-vllm` replays onto the real-vLLM tier's vLLM (CPU build, tiny model, context 1024;
+tests/real_vllm/vllm_server.py, a source checkout): one engine shared by the cells (each
+waits for it to go idle), a vLLM of its own per valve-N cell; prompt ids then stay inside the
+tiny model's vocabulary.
+
 `--replicas N` (N > 1) replays onto N emulators: the direct and valve arms send each
 request to the next engine in turn (a Kubernetes Service), the gateway arms put one
 `kneegate serve` in front of all N (a fixed-N arm: N per engine); the capacity is N x one
@@ -68,7 +73,15 @@ from typing import Any
 import aiohttp
 
 from kneegate.sim import trace
-from kneegate_bench.arms import Arm, _child, _serving, engine_command, gateway_command
+from kneegate_bench.arms import (
+    TINY_VOCAB,
+    Arm,
+    _child,
+    _serving,
+    engine_command,
+    gateway_command,
+    vllm_if_asked,
+)
 from kneegate_bench.figures import _fmt, summarize
 from kneegate_bench.openloop import Record, _Client
 from kneegate_bench.overhead import _free_port
@@ -129,21 +142,23 @@ def by_bucket(users: list[Record]) -> dict[str, tuple[int, int]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-VOCAB = 30_000  # token ids 100 .. 100 + VOCAB - 1: inside any Llama-sized vocabulary
-_STRIDE = 7919  # a prime, coprime to VOCAB: the first VOCAB requests start apart
+VOCAB = 30_100  # token ids 100 .. VOCAB - 1: inside any Llama-sized vocabulary
+_STRIDE = 7919  # a prime, coprime to VOCAB - 100 (30,000, and the tiny model's 3,996)
 
 
-def prompt_ids(n: int, length: int) -> list[int]:
-    """Request `n`'s prompt of `length` token ids: a run through the ids from a start of its
-    own, so that no two prompts share a prefix (the trace records none), as users' prompts
-    do not; prefix affinity and an engine's prefix cache then find nothing to reuse."""
-    start = n * _STRIDE % VOCAB
-    return [100 + (start + i) % VOCAB for i in range(length)]
+def prompt_ids(n: int, length: int, vocab: int = VOCAB) -> list[int]:
+    """Request `n`'s prompt of `length` token ids in 100 .. `vocab` - 1: a run through them
+    from a start of its own, so that no two prompts share a prefix (the trace records none),
+    as users' prompts do not; prefix affinity and an engine's prefix cache then find nothing
+    to reuse. The first `vocab` - 100 requests start apart."""
+    span = vocab - 100
+    start = n * _STRIDE % span
+    return [100 + (start + i) % span for i in range(length)]
 
 
 def _body(args: argparse.Namespace, req: trace.Request, n: int) -> dict[str, Any]:
     return {"model": args.model or args.profile,
-            "prompt": prompt_ids(n, req.prompt),
+            "prompt": prompt_ids(n, req.prompt, TINY_VOCAB if args.start_vllm else VOCAB),
             "max_tokens": req.output, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
 
@@ -179,7 +194,7 @@ def serving(arm: Arm, args: argparse.Namespace) -> Iterator[list[str]]:
     """A fresh engine (and gateway) for one cell, or `--replicas` of them: the URLs the
     users send to, in turn (one: the engine, or the gateway in front of every engine)."""
     if args.replicas <= 1:
-        with _serving(arm, args.profile, args.upstream) as url:
+        with _serving(arm, args.profile, args.upstream, args.start_vllm, args.model) as url:
             yield [url]
         return
     with contextlib.ExitStack() as stack:
@@ -262,6 +277,11 @@ def _row(r: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> Report:
     """Capacity for the mix, then every (arm, load, round) cell; prints as it goes."""
+    with vllm_if_asked(args):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> Report:
     rep = Report(command=shlex.join(["python", "-m", "kneegate_bench.replay", *args.argv]),
                  trace=args.trace)
     print(rep.command, flush=True)
@@ -359,6 +379,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the most a cell waits for its users after its last arrival")
     ap.add_argument("--profile", default="cpu-tiny", help="emulator profile")
     ap.add_argument("--upstream", help="a running engine instead of a fresh emulator per cell")
+    ap.add_argument("--start-vllm", action="store_true",
+                    help="start the real-vLLM tier's vLLM (CPU build, tiny model; a source "
+                    "checkout) and replay onto it; valve-N arms start one with the flag each")
     ap.add_argument("--replicas", type=int, default=1,
                     help="emulators per cell: round robin without a gateway, one gateway "
                     "in front of all with one")
@@ -385,8 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         arms(args.arms)
     except ValueError as exc:
         raise SystemExit(f"--arms: {exc}") from exc
-    if args.replicas > 1 and args.upstream:
-        raise SystemExit("--replicas starts emulators: it takes no --upstream")
+    if args.replicas > 1 and (args.upstream or args.start_vllm):
+        raise SystemExit("--replicas starts emulators: it takes no --upstream or --start-vllm")
+    if args.upstream and args.start_vllm:
+        raise SystemExit("--upstream or --start-vllm, not both")
+    if args.upstream and any(a.engine_flags for a in arms(args.arms)):
+        raise SystemExit("valve-N arms set engine flags: the emulator or --start-vllm")
     rep = run(args)
     if args.json:
         args.json.write_text(json.dumps(rep.__dict__, indent=1, default=str))

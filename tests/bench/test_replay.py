@@ -11,9 +11,18 @@ import pytest
 
 from kneegate.admission.affinity import prompt_keys
 from kneegate.sim import trace
-from kneegate_bench.arms import Arm
+from kneegate_bench.arms import TINY_VOCAB, Arm
 from kneegate_bench.openloop import Record, fetch_metrics, metric_totals
-from kneegate_bench.replay import arms, by_bucket, lost, parser, prompt_ids, replay, serving
+from kneegate_bench.replay import (
+    arms,
+    by_bucket,
+    lost,
+    main,
+    parser,
+    prompt_ids,
+    replay,
+    serving,
+)
 
 
 def _args(*extra: str):  # type: ignore[no-untyped-def]
@@ -67,6 +76,24 @@ def test_no_two_replayed_prompts_share_a_prefix() -> None:
     assert len({k[0] for k in keys}) == 2000  # every first run its own
     assert prompt_ids(5, 300) == prompt_ids(5, 300)  # the same request, the same prompt
     assert max(max(prompt_ids(n, 2048)) for n in range(50)) < 100 + 30_000
+
+
+def test_prompts_for_the_tiny_model_stay_inside_its_vocabulary_and_apart() -> None:
+    prompts = [prompt_ids(n, 1000, TINY_VOCAB) for n in range(3000)]
+    assert min(min(p) for p in prompts) >= 100
+    assert max(max(p) for p in prompts) < TINY_VOCAB  # vLLM refuses an id past its vocab
+    assert len({tuple(p[:16]) for p in prompts}) == 3000  # no two share a first block
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--replicas", "2", "--start-vllm"], "--replicas starts emulators"),
+    (["--upstream", "http://127.0.0.1:9", "--start-vllm"], "not both"),
+    (["--upstream", "http://127.0.0.1:9", "--arms", "kneegate,valve-512"], "valve-N arms"),
+])
+def test_flags_that_cannot_go_together_are_refused_before_anything_starts(
+        argv: list[str], says: str) -> None:
+    with pytest.raises(SystemExit, match=says):
+        main(argv)
 
 
 def _served(url: str) -> float:
