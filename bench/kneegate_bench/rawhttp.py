@@ -31,6 +31,15 @@ _HEAD = (
     b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
 )
 _END = b"0\r\n\r\n"
+# vLLM's POST /tokenize answer, for a gateway that asks the engine for token ids before it
+# routes (vllm-router's cache-aware policy asks every engine, within a 1 s budget): streamed
+# like a completion, its answer came 64 x 20 ms later and the router routed after its budget
+_TOKENS = json.dumps({"count": 16, "max_model_len": 2048, "tokens": list(range(100, 116)),
+                      "token_strs": None}, separators=(",", ":")).encode()
+_TOKENIZE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+             % (len(_TOKENS), _TOKENS))
+_NOT_FOUND = (b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n"
+              b"content-length: 22\r\n\r\n{\"detail\":\"Not Found\"}")
 
 
 def _chunk(payload: bytes) -> bytes:
@@ -53,7 +62,8 @@ def _event(i: int) -> bytes:
 
 
 class SseUpstream(asyncio.Protocol):
-    """Answers every request with `events` SSE events, `interval` seconds apart."""
+    """Answers every request with `events` SSE events, `interval` seconds apart, but
+    `POST /tokenize` (vLLM's JSON, 16 token ids) and `.../render` (404) at once."""
 
     def __init__(self, events: list[bytes], interval: float) -> None:
         self.events = events
@@ -78,11 +88,19 @@ class SseUpstream(asyncio.Protocol):
             length = _content_length(self.buf[:end])
             if len(self.buf) < end + 4 + length:
                 return
+            line = self.buf[: self.buf.find(b"\r\n")]
             self.buf = self.buf[end + 4 + length :]
-            self._respond()
+            self._respond(line)
 
-    def _respond(self) -> None:
+    def _respond(self, line: bytes) -> None:
         assert self.transport is not None
+        path = line.split(b" ")[1] if line.count(b" ") >= 2 else b""
+        if path == b"/tokenize":
+            self.transport.write(_TOKENIZE)
+            return
+        if path.endswith(b"/render"):  # not a vLLM 0.32 route; vllm-router then asks /tokenize
+            self.transport.write(_NOT_FOUND)
+            return
         if self.interval <= 0:
             self.transport.write(self.whole)
             return

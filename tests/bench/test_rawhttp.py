@@ -7,6 +7,8 @@ sockets on 127.0.0.1, the real upstream; each run is bounded by its seconds.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import os
 import time
@@ -67,3 +69,28 @@ def test_cpu_seconds_counts_this_process_burning_cpu() -> None:
     while cpu_seconds(os.getpid()) - before < 0.05 and time.monotonic() < deadline:
         sum(range(10_000))
     assert cpu_seconds(os.getpid()) - before >= 0.05
+
+
+@pytest.mark.anyio
+async def test_tokenize_is_answered_at_once_as_vllm_does_and_render_is_not_found() -> None:
+    """A gateway that asks the engine for token ids before routing (vllm-router) gets them
+    at once, not after the events a completion streams."""
+    server = await serve("127.0.0.1", 0, events=64, interval=0.05)  # a completion: 3.2 s
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        answers = []
+        for path in ("/tokenize", "/v1/chat/completions/render"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = b'{"model":"bench","prompt":"hi"}'
+            writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+                         % (path.encode(), len(body), body))
+            t0 = time.monotonic()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 1.0)
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            answers.append((head.split(b" ")[1], await reader.readexactly(length),
+                            time.monotonic() - t0))
+            writer.close()
+    (ok, tokens, t_tok), (missing, _, _) = answers
+    assert ok == b"200" and missing == b"404" and t_tok < 1.0
+    parsed = json.loads(tokens)
+    assert parsed["count"] == len(parsed["tokens"]) > 0
