@@ -85,11 +85,11 @@ from kneegate_bench.arms import (
 from kneegate_bench.figures import _fmt, summarize
 from kneegate_bench.openloop import Record, _Client
 from kneegate_bench.overhead import _free_port
+from kneegate_bench.refusals import by_bucket, lost, refused
 
-__all__ = ["BUCKETS", "arms", "by_bucket", "lost", "main", "prompt_ids", "replay", "run",
+__all__ = ["arms", "main", "prompt_ids", "replay", "run",
            "serving"]
 
-BUCKETS = (256, 1024, 2048)  # prompt-size buckets' upper bounds (tokens); the last is open
 _ROUND_ROWS = 997  # each round replays from this many rows further into the trace
 
 
@@ -109,37 +109,6 @@ def arms(text: str) -> list[Arm]:
         else:
             raise ValueError(f"unknown arm {name!r}: direct, kneegate, fixed-N or valve-N")
     return out
-
-
-def _refused(u: Record) -> bool:
-    return u.status is not None and u.status != 200 and not u.gave_up
-
-
-def lost(users: list[Record], direct: list[Record], objective: float) -> int:
-    """Measured users of an arm refused though the direct arm's user at the same place of
-    the same schedule got its first token within `objective`."""
-    return sum(1 for u, d in zip(users, direct, strict=True)
-               if u.measured and _refused(u) and d.ttft is not None and d.ttft <= objective)
-
-
-def _bucket(prompt: int) -> str:
-    lo = 0
-    for hi in BUCKETS:
-        if prompt < hi:
-            return f"{lo}-{hi}"
-        lo = hi
-    return f">={lo}"
-
-
-def by_bucket(users: list[Record]) -> dict[str, tuple[int, int]]:
-    """(refused, sent) of the measured users, by prompt-size bucket."""
-    out: dict[str, list[int]] = {}
-    for r in users:
-        if r.measured:
-            b = out.setdefault(_bucket(r.prompt), [0, 0])
-            b[1] += 1
-            b[0] += _refused(r)
-    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 VOCAB = 30_100  # token ids 100 .. VOCAB - 1: inside any Llama-sized vocabulary
@@ -320,7 +289,7 @@ def _run(args: argparse.Namespace) -> Report:
                 measured = [u for u in users if u.measured]
                 good = [u for u in measured if u.ttft is not None and u.ttft <= args.objective]
                 refused = collections.Counter(
-                    u.reason or str(u.status) for u in measured if _refused(u))
+                    u.reason or str(u.status) for u in measured if refused(u))
                 cells.append({"arm": arm.name, "load": load, "round": rnd, **s,
                               "good_share": len(good) / len(measured) if measured else 0.0,
                               "refused_by_reason": dict(refused),

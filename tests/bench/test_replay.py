@@ -1,5 +1,5 @@
-"""The trace replay benchmark's parts: its arms, refusals by prompt size, and a replay onto
-several replicas (real processes, real sockets)."""
+"""The trace replay benchmark's parts: its arms, its refusals by prompt size
+(kneegate_bench.refusals), and a replay onto several replicas (real processes, real sockets)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from kneegate.admission.affinity import prompt_keys
 from kneegate.sim import trace
 from kneegate_bench.arms import TINY_VOCAB, Arm
 from kneegate_bench.openloop import Record, fetch_metrics, metric_totals
+from kneegate_bench.refusals import by_bucket, lost
 from kneegate_bench.replay import (
     arms,
-    by_bucket,
-    lost,
     main,
     parser,
     prompt_ids,
