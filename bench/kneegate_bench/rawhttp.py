@@ -31,9 +31,9 @@ _HEAD = (
     b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
 )
 _END = b"0\r\n\r\n"
-# vLLM's POST /tokenize answer, for a gateway that asks the engine for token ids before it
-# routes (vllm-router's cache-aware policy asks every engine, within a 1 s budget): streamed
-# like a completion, its answer came 64 x 20 ms later and the router routed after its budget
+# vLLM's POST /tokenize answer, at once, for a gateway that asks the engine for token ids
+# before it routes (vllm-router's cache-aware policy asks every engine, within a 1 s budget;
+# answered like a completion, 64 events 20 ms apart, the router waited out that budget)
 _TOKENS = json.dumps({"count": 16, "max_model_len": 2048, "tokens": list(range(100, 116)),
                       "token_strs": None}, separators=(",", ":")).encode()
 _TOKENIZE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
