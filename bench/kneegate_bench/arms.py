@@ -130,10 +130,13 @@ def engine_holds(url: str) -> float | None:
 def vllm_if_asked(args: Any) -> Iterator[None]:
     """With `--start-vllm` (`args.start_vllm`), the real-vLLM tier's vLLM (CPU build, tiny
     model, tests/real_vllm/vllm_server.py) for the block: `args.upstream` is set to it and
-    `args.model` to its served name unless given. Without it, nothing."""
+    `args.model` to its served name unless given. Without it, nothing. Both `--start-vllm`
+    and `--upstream` exit (2) before anything starts."""
     if not getattr(args, "start_vllm", False):
         yield
         return
+    if args.upstream:
+        raise SystemExit("--upstream or --start-vllm, not both")
     from kneegate_bench.calibrate_vllm import _started_vllm
 
     with _started_vllm() as url:

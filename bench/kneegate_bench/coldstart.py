@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.upstream and args.start_vllm:
-        raise SystemExit("--upstream or --start-vllm, not both")
     with vllm_if_asked(args):
         return _run(args)
 

@@ -379,8 +379,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--arms: {exc}") from exc
     if args.replicas > 1 and (args.upstream or args.start_vllm):
         raise SystemExit("--replicas starts emulators: it takes no --upstream or --start-vllm")
-    if args.upstream and args.start_vllm:
-        raise SystemExit("--upstream or --start-vllm, not both")
     if args.upstream and any(a.engine_flags for a in arms(args.arms)):
         raise SystemExit("valve-N arms set engine flags: the emulator or --start-vllm")
     rep = run(args)
