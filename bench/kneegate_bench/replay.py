@@ -288,11 +288,11 @@ def _run(args: argparse.Namespace) -> Report:
                 s = summarize(users, args.seconds, rep.capacity_tok_s, args.objective)
                 measured = [u for u in users if u.measured]
                 good = [u for u in measured if u.ttft is not None and u.ttft <= args.objective]
-                refused = collections.Counter(
+                reasons = collections.Counter(
                     u.reason or str(u.status) for u in measured if refused(u))
                 cells.append({"arm": arm.name, "load": load, "round": rnd, **s,
                               "good_share": len(good) / len(measured) if measured else 0.0,
-                              "refused_by_reason": dict(refused),
+                              "refused_by_reason": dict(reasons),
                               "by_size": by_bucket(users)})
             direct = next((c["goodput_tok_s"] for c in cells if c["arm"] == "direct"), None)
             best = max((c["goodput_tok_s"] for c in cells if c["arm"].startswith("fixed-")),

@@ -129,3 +129,23 @@ def test_replicas_take_no_running_upstream() -> None:
 
     with pytest.raises(SystemExit, match="no --upstream"):
         main(["--replicas", "2", "--upstream", "http://127.0.0.1:9"])
+
+
+def test_a_whole_round_prints_and_writes_every_arms_refusals(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One round of the code trace at 3x, direct beside a gateway held to one request (real
+    engines, gateways and sockets): every column is computed and the refusals add up, each
+    reason and each prompt-size bucket counting the same users."""
+    out = tmp_path / "replay.json"
+    main(["--trace", "code", "--arms", "direct,fixed-1", "--loads", "3", "--rounds", "1",
+          "--seconds", "5", "--warmup", "0", "--capacity", "39", "--request-timeout", "20",
+          "--json", str(out)])
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    direct, held = rows["direct"], rows["fixed-1"]
+    assert direct["users"] == held["users"] > 10  # the same arrivals
+    assert direct["refused_by_reason"] == {} and direct["lost"] == 0
+    assert direct["over_direct"] == 1.0
+    refused = sum(held["refused_by_reason"].values())
+    assert refused == held["rejected"] > 0  # one slot cannot take 3x
+    assert sum(n for n, _ in held["by_size"].values()) == refused
+    assert sum(sent for _, sent in held["by_size"].values()) == held["users"]
+    assert 0 <= held["lost"] <= refused
