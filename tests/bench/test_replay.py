@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -131,7 +132,7 @@ def test_replicas_take_no_running_upstream() -> None:
         main(["--replicas", "2", "--upstream", "http://127.0.0.1:9"])
 
 
-def test_a_whole_round_prints_and_writes_every_arms_refusals(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_whole_round_prints_and_writes_every_arms_refusals(tmp_path: Path) -> None:
     """One round of the code trace at 3x, direct beside a gateway held to one request (real
     engines, gateways and sockets): every column is computed and the refusals add up, each
     reason and each prompt-size bucket counting the same users."""
