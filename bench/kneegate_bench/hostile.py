@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import json
 import sys
 import time
@@ -99,7 +100,10 @@ async def _post(session: aiohttp.ClientSession, url: str, data: bytes, answers: 
                 headers: dict[str, str] | None = None) -> None:
     hdrs = {"content-type": "application/json", **(headers or {})}
     try:
-        async with session.post(url + "/v1/completions", data=data, headers=hdrs) as resp:
+        # a file-like body: aiohttp sends it in pieces (raw bytes of megabytes would hold
+        # the event loop, and it warns so), with its Content-Length all the same
+        async with session.post(url + "/v1/completions", data=io.BytesIO(data),
+                                headers=hdrs) as resp:
             answers[resp.status] += 1
             await resp.read()
     except (aiohttp.ClientError, OSError):
