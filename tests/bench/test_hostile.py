@@ -12,6 +12,11 @@ import pytest
 from kneegate_bench.hostile import main
 
 
+def _answers(row: str) -> dict[int, int]:
+    """The attack's answers by status, the `{...}` a row prints."""
+    return ast.literal_eval(row[row.index("{"):row.index("}") + 1])  # type: ignore[no-any-return]
+
+
 def test_each_case_prints_the_honest_rate_around_its_attack_and_the_attacks_answers(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--cases", "padded,models-flood", "--clients", "4", "--warmup", "2",
@@ -21,9 +26,6 @@ def test_each_case_prints_the_honest_rate_around_its_attack_and_the_attacks_answ
     for line in rows.values():
         before, during = (float(x) for x in line.split()[1:3])
         assert before > 0 and during > 0, line  # the honest users were served throughout
-        answers = ast.literal_eval(line[line.index("{"):line.index("}") + 1])
-        assert answers.get(200, 0) >= 1, line
+        assert _answers(line).get(200, 0) >= 1, line
     # the padded request is one request; the flood is many
-    padded = ast.literal_eval(rows["padded"][rows["padded"].index("{"):
-                                            rows["padded"].index("}") + 1])
-    assert sum(padded.values()) == 1
+    assert sum(_answers(rows["padded"]).values()) == 1
