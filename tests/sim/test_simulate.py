@@ -16,12 +16,15 @@ from kneegate.sim.arrivals import _arrivals
 from kneegate.sim.cli import (
     TRACE_STRIDE,
     WAIT_CAPS,
+    SeedReading,
+    _pair_goodput,
     engine_ttft,
     fixed_pair,
     judge,
     load_scenario,
     main,
     oracle,
+    pair_name,
     parse_seeds,
     run,
     run_spec,
@@ -210,10 +213,10 @@ def test_seeds_read_each_scenario_as_a_distribution(
             parse_seeds(bad)
     ratios = {1: [0.90, 1.00], 2: [0.99, 1.00], 3: [0.96, 0.94], 4: [1.03, 1.00]}
 
-    def fake(job: tuple[str, int, tuple[str, ...]]) -> tuple[str, int, list[float]]:
+    def fake(job: tuple[str, int, tuple[str, ...]]) -> SeedReading:
         name, seed, controllers = job
         assert controllers == ("knee", "fixed@40/0.5T")
-        return name, seed, ratios[seed]
+        return SeedReading(name, seed, ratios[seed], (40, 0.5), 100.0)
 
     monkeypatch.setattr("kneegate.sim.cli._ratios", fake)
     assert main(["--scenario", "steady-3x", "--controllers", "knee,fixed@40/0.5T",
@@ -226,3 +229,50 @@ def test_seeds_read_each_scenario_as_a_distribution(
     ]
     with pytest.raises(SystemExit):
         main(["--scenario", "steady-3x", "--seeds", "5-2"])
+
+
+def test_hand_sized_pair_is_one_pair_at_every_seed(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # seeds' oracles: 8/0.25T at seeds 1 and 3, 6/0.25T at seed 2
+    oracles = {1: ((8, 0.25), 10.0), 2: ((6, 0.25), 10.0), 3: ((8, 0.25), 20.0)}
+    knee = {1: 0.8, 2: 0.4, 3: 0.9}  # knee's goodput / its seed's oracle
+    # each pair at the seeds whose oracle chose the other one
+    other = {(1, (6, 0.25)): 9.0, (3, (6, 0.25)): 18.0, (2, (8, 0.25)): 5.0}
+    ran: list[tuple[int, tuple[int, float | None]]] = []
+
+    def readings(job: tuple[str, int, tuple[str, ...]]) -> SeedReading:
+        name, seed, _ = job
+        pair, gp = oracles[seed]
+        return SeedReading(name, seed, [knee[seed]], pair, gp)
+
+    def pair_goodput(job: tuple[str, int, tuple[int, float | None]]
+                     ) -> tuple[str, int, tuple[int, float | None], float]:
+        name, seed, pair = job
+        ran.append((seed, pair))
+        return name, seed, pair, other[seed, pair]
+
+    monkeypatch.setattr("kneegate.sim.cli._ratios", readings)
+    monkeypatch.setattr("kneegate.sim.cli._pair_goodput", pair_goodput)
+    assert main(["--scenario", "steady-3x", "--controllers", "knee", "--seeds", "1-3",
+                 "--hand-sized"]) == 0
+    assert sorted(ran) == sorted(other)  # no pair run again where it was its seed's oracle
+    out = capsys.readouterr().out.split("against the hand-sized pair")[1]
+    rows = [line.split() for line in out.splitlines()[2:]]
+    # 8/0.25T reads 1.0, 0.5, 1.0 of the oracle (median 1.0); 6/0.25T 0.9, 1.0, 0.9 (0.9):
+    # the median picks 8/0.25T, though one seed reads it at half its oracle
+    assert rows == [
+        ["steady-3x", "fixed@8/0.25T", "/", "oracle", "3", "1.000", "0.833", "0.500", "2", "1"],
+        # knee over the pair: 0.8 x 10 / 10, 0.4 x 10 / 5, 0.9 x 20 / 20
+        ["steady-3x", "knee", "/", "fixed@8/0.25T", "3", "0.800", "0.833", "0.800", "1", "3"],
+    ]
+    with pytest.raises(SystemExit):  # a pair held at every seed needs seeds
+        main(["--scenario", "steady-3x", "--hand-sized"])
+    assert "--hand-sized needs --seeds" in capsys.readouterr().err
+
+
+def test_a_pairs_goodput_is_its_runs() -> None:
+    sc = load_scenario("steady-3x")
+    name, seed, pair, got = _pair_goodput(("steady-3x", 3, (12, 0.5)))
+    assert (name, seed, pair) == ("steady-3x", 3, (12, 0.5))
+    res = run_spec(sc, pair_name((12, 0.5)), 3)
+    assert got == pytest.approx(goodput(res, sc, sc.warmup, sc.duration)) and got > 0
