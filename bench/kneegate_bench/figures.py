@@ -3,6 +3,7 @@
 `summarize` gives one row's figures (goodput, rejections, TTFT and TPOT percentiles),
 `per_key` the same per API key, `gateway_medians` what was read from a gateway's /metrics,
 `round_medians` each arm's medians over `--rounds`; `_row` and `_median_row` print them.
+`family_ratios` reads a row against the sized arms (`fixed-N`, `valve-N`) of its round.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from kneegate_bench.openloop import Record
 
-__all__ = ["gateway_medians", "per_key", "round_medians", "summarize"]
+__all__ = ["family_ratios", "gateway_medians", "per_key", "round_medians", "summarize"]
 
 
 def _pct(values: list[float], q: int) -> float | None:
@@ -185,3 +186,40 @@ def _median_row(m: dict[str, Any]) -> str:
             f"{_fmt(m['over_direct_p50'], '.2f'):>8}"
             f"{_fmt(m['over_best_valve_p50'], '.2f'):>7}  {tail:<17}{each}")
 
+
+
+def family_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[float, str]]:
+    """Each row's goodput over the sized arms of its round (`arm`, `load`, `round`,
+    `goodput_tok_s` read; None where the round has no such arm):
+
+        over_best_valve   the best `valve-N` arm's in the round: a size picked per round,
+                          in hindsight
+        over_hand_valve   the hand-sized valve's in the round: the one `valve-N` whose
+        over_hand_fixed   goodput has the best median over the rounds at that load (the
+                          same for `fixed-N`), as an operator sizes a valve or a limit once
+
+    The best of several sizes in each round is also the best of their noise: on a bursty
+    trace one round's winner is often another round's loser, and no size an operator could
+    set reads that maximum. Returns the hand-sized arm of each family (`valve`, `fixed`)
+    per load."""
+    by_arm: dict[tuple[str, float], list[float]] = {}
+    cell: dict[tuple[str, float, int], float] = {}
+    for r in rows:
+        by_arm.setdefault((r["arm"], r["load"]), []).append(r["goodput_tok_s"])
+        cell[r["arm"], r["load"], r["round"]] = r["goodput_tok_s"]
+    hand: dict[str, dict[float, str]] = {"valve": {}, "fixed": {}}
+    for family, sized in hand.items():
+        for (arm, load), goodputs in sorted(by_arm.items()):
+            best = sized.get(load)
+            if arm.startswith(f"{family}-") and (best is None or statistics.median(goodputs)
+                                                  > statistics.median(by_arm[best, load])):
+                sized[load] = arm
+    for r in rows:
+        load, rnd = r["load"], r["round"]
+        top = max((g for (a, at, n), g in cell.items()
+                   if a.startswith("valve-") and at == load and n == rnd), default=0.0)
+        r["over_best_valve"] = r["goodput_tok_s"] / top if top else None
+        for family, sized in hand.items():
+            ref = cell.get((sized[load], load, rnd)) if load in sized else None
+            r[f"over_hand_{family}"] = r["goodput_tok_s"] / ref if ref else None
+    return hand

@@ -37,6 +37,8 @@ Columns (each user's times from the moment it sent its request):
              (the same request, sent at the same moment): refusals without evidence
   TTFT p50/p99  from send, of the users who got a first token
   by size    refused / sent per prompt-size bucket (tokens, after capping)
+With `--rounds` > 1 the medians add goodput over the round's best valve-N and over the
+hand-sized valve-N and fixed-N (the size with the best median: `figures.family_ratios`).
 
 `--start-vllm` replays onto the real-vLLM tier's vLLM (CPU build, tiny model, context 1024;
 tests/real_vllm/vllm_server.py, a source checkout): one engine shared by the cells (each
@@ -82,7 +84,7 @@ from kneegate_bench.arms import (
     gateway_command,
     vllm_if_asked,
 )
-from kneegate_bench.figures import _fmt, summarize
+from kneegate_bench.figures import _fmt, family_ratios, summarize
 from kneegate_bench.openloop import Record, _Client
 from kneegate_bench.overhead import _free_port
 from kneegate_bench.refusals import by_bucket, lost, refused
@@ -305,8 +307,10 @@ def _run(args: argparse.Namespace) -> Report:
                 rep.rows.append(c)
                 print(_row(c), flush=True)
     if args.rounds > 1:
+        hand = family_ratios(rep.rows)
         rep.medians = medians(rep.rows)
-        print(f"\nmedians over {args.rounds} rounds (ratios taken within each round)")
+        print(f"\nmedians over {args.rounds} rounds (ratios taken within each round); sized "
+              f"by hand (the best median): {hand}")
         for m in rep.medians:
             print("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in m.items()))
@@ -314,15 +318,17 @@ def _run(args: argparse.Namespace) -> Report:
 
 
 def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each (arm, load)'s medians over its rounds of goodput, /direct, /best, good share."""
+    """Each (arm, load)'s medians over its rounds of goodput, /direct, /best, good share,
+    and of the ratios `family_ratios` set (absent: None)."""
     groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["arm"], r["load"]), []).append(r)
     out = []
     for (arm, load), rs in groups.items():
         m: dict[str, Any] = {"arm": arm, "load": load}
-        for k in ("goodput_tok_s", "over_direct", "over_best", "good_share"):
-            vals = [r[k] for r in rs if r[k] is not None]
+        for k in ("goodput_tok_s", "over_direct", "over_best", "over_best_valve",
+                  "over_hand_fixed", "over_hand_valve", "good_share"):
+            vals = [r[k] for r in rs if r.get(k) is not None]
             m[k] = statistics.median(vals) if vals else None
         m["refused"] = statistics.median(r["rejected"] for r in rs)
         if all(r.get("lost") is not None for r in rs):

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kneegate_bench.arms import _wait_idle, engine_holds, parse_arms, valve_sizes
-from kneegate_bench.figures import per_key, round_medians, summarize
+from kneegate_bench.figures import family_ratios, per_key, round_medians, summarize
 from kneegate_bench.openloop import Record, late_ticks, parse_keys, run_cell
 from kneegate_bench.overload import main, parser
 
@@ -120,6 +120,27 @@ def test_round_medians_take_each_ratio_within_its_round() -> None:
     # without a valve arm there is no ratio to it
     alone = round_medians([row("kneegate", 0, 800), row("kneegate", 1, 900)])
     assert alone[0]["over_best_valve_p50"] is None and alone[0]["goodput_p50"] == 850
+
+
+def test_a_hand_sized_arm_is_one_size_at_every_round() -> None:
+    # valve-1024 wins rounds 0 and 2 by a hair, valve-2048 wins round 1 by much; kneegate
+    # reads under the best valve of every round, and over the one size set for all three
+    goodput = {"valve-1024": [10, 30, 40], "valve-2048": [9, 60, 38], "kneegate": [9.5, 50, 39],
+               "fixed-8": [8, 40, 30], "fixed-16": [12, 20, 31]}
+    rows = [{"arm": arm, "load": 3.0, "round": n, "goodput_tok_s": float(g)}
+            for arm, gs in goodput.items() for n, g in enumerate(gs)]
+    rows.append({"arm": "kneegate", "load": 10.0, "round": 0, "goodput_tok_s": 5.0})
+    hand = family_ratios(rows)
+    # medians: valve-1024 30, valve-2048 38; fixed-8 30, fixed-16 20
+    assert hand == {"valve": {3.0: "valve-2048"}, "fixed": {3.0: "fixed-8"}}
+    k = [r for r in rows if r["arm"] == "kneegate" and r["load"] == 3.0]
+    assert [r["over_best_valve"] for r in k] == pytest.approx([0.95, 50 / 60, 39 / 40])
+    assert [r["over_hand_valve"] for r in k] == pytest.approx([9.5 / 9, 50 / 60, 39 / 38])
+    assert [r["over_hand_fixed"] for r in k] == pytest.approx([9.5 / 8, 50 / 40, 39 / 30])
+    # a load with no sized arm has nothing to be read against
+    lone = rows[-1]
+    assert lone["over_best_valve"] is None and lone["over_hand_valve"] is None
+    assert lone["over_hand_fixed"] is None
 
 
 def test_rounds_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
