@@ -187,7 +187,6 @@ def _median_row(m: dict[str, Any]) -> str:
             f"{_fmt(m['over_best_valve_p50'], '.2f'):>7}  {tail:<17}{each}")
 
 
-
 def family_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[float, str]]:
     """Each row's goodput over the sized arms of its round (`arm`, `load`, `round`,
     `goodput_tok_s` read; None where the round has no such arm):

@@ -251,15 +251,14 @@ def hand_sized(names: list[str], controllers: list[str], done: list[SeedReading]
     print(SEEDS_HEADER)
     for name in names:
         readings = [d for d in done if d.name == name]
-        pairs = {d.pair for d in readings}
-
-        def over_oracle(pair: Pair, readings: list[SeedReading] = readings) -> dict[int, float]:
-            return {d.seed: got[d.name, d.seed, pair] / max(d.goodput, 1e-9) for d in readings}
-
-        best = max(sorted(pairs, key=str), key=lambda p: (
-            statistics.median(over_oracle(p).values()), statistics.fmean(over_oracle(p).values())))
+        # each candidate pair's goodput over its seed's oracle, seed by seed
+        over: dict[Pair, dict[int, float]] = {
+            pair: {d.seed: got[name, d.seed, pair] / max(d.goodput, 1e-9) for d in readings}
+            for pair in sorted({d.pair for d in readings}, key=str)}
+        best = max(over, key=lambda p: (statistics.median(over[p].values()),
+                                        statistics.fmean(over[p].values())))
         fixed = pair_name(best)
-        print(_seeds_row(name, f"{fixed} / oracle", over_oracle(best)))
+        print(_seeds_row(name, f"{fixed} / oracle", over[best]))
         for i, c in enumerate(controllers):
             r = {d.seed: d.ratios[i] * d.goodput / max(got[name, d.seed, best], 1e-9)
                  for d in readings}
