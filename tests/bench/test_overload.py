@@ -123,8 +123,9 @@ def test_round_medians_take_each_ratio_within_its_round() -> None:
 
 
 def test_a_hand_sized_arm_is_one_size_at_every_round() -> None:
-    # valve-1024 wins rounds 0 and 2 by a hair, valve-2048 wins round 1 by much; kneegate
-    # reads under the best valve of every round, and over the one size set for all three
+    # valve-1024 wins rounds 0 and 2 by a hair, valve-2048 round 1 by much, and so has the
+    # better median: the hand-sized valve. kneegate reads under the best valve of every
+    # round, and over the hand-sized one in rounds 0 and 2
     goodput = {"valve-1024": [10, 30, 40], "valve-2048": [9, 60, 38], "kneegate": [9.5, 50, 39],
                "fixed-8": [8, 40, 30], "fixed-16": [12, 20, 31]}
     rows = [{"arm": arm, "load": 3.0, "round": n, "goodput_tok_s": float(g)}
