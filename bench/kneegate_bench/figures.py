@@ -141,12 +141,9 @@ def round_medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     engine whose speed drifts between rounds moves every arm of a round together.
 
     `over_best_valve`: goodput over the best valve arm's in the same round (None in a
-    round without one), the ratio issue 12's real-vLLM goal is judged by."""
-    best_valve: dict[tuple[float, int], float] = {}
-    for r in rows:
-        if r["arm"].startswith("valve-"):
-            key = (r["load"], r["round"])
-            best_valve[key] = max(best_valve.get(key, 0.0), r["goodput_tok_s"])
+    round without one; `family_ratios` sets it on each row), the ratio issue 12's real-vLLM
+    goal is judged by."""
+    family_ratios(rows)
     cells: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for r in rows:
         cells.setdefault((r["arm"], r["load"]), []).append(r)
@@ -157,9 +154,8 @@ def round_medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for (arm, load), rs in cells.items():
-        valve = [best_valve.get((load, r["round"])) for r in rs]
         goodputs = [r["goodput_tok_s"] for r in rs]
-        ratios = [g / v if v else None for g, v in zip(goodputs, valve, strict=True)]
+        ratios = [r["over_best_valve"] for r in rs]
         out.append({
             "arm": arm, "load": load, "rounds": len(rs), "goodput_tok_s": goodputs,
             "goodput_p50": med(goodputs),
@@ -203,9 +199,13 @@ def family_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[float, str]]:
     per load."""
     by_arm: dict[tuple[str, float], list[float]] = {}
     cell: dict[tuple[str, float, int], float] = {}
+    best_valve: dict[tuple[float, int], float] = {}  # per (load, round)
     for r in rows:
+        key = (r["load"], r["round"])
         by_arm.setdefault((r["arm"], r["load"]), []).append(r["goodput_tok_s"])
-        cell[r["arm"], r["load"], r["round"]] = r["goodput_tok_s"]
+        cell[r["arm"], *key] = r["goodput_tok_s"]
+        if r["arm"].startswith("valve-"):
+            best_valve[key] = max(best_valve.get(key, 0.0), r["goodput_tok_s"])
     hand: dict[str, dict[float, str]] = {"valve": {}, "fixed": {}}
     for family, sized in hand.items():
         for (arm, load), goodputs in sorted(by_arm.items()):
@@ -215,8 +215,7 @@ def family_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[float, str]]:
                 sized[load] = arm
     for r in rows:
         load, rnd = r["load"], r["round"]
-        top = max((g for (a, at, n), g in cell.items()
-                   if a.startswith("valve-") and at == load and n == rnd), default=0.0)
+        top = best_valve.get((load, rnd))
         r["over_best_valve"] = r["goodput_tok_s"] / top if top else None
         for family, sized in hand.items():
             ref = cell.get((sized[load], load, rnd)) if load in sized else None
